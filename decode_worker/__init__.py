@@ -1,0 +1,1 @@
+"""Tandem decode_worker package."""

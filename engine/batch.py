@@ -1,0 +1,41 @@
+"""What one scheduler tick hands the model runner: plain dataclasses, no behaviour.
+
+Positions and slots: token at absolute position ``p`` of a sequence lives in physical slot
+``block_table[p // block_size] * block_size + p % block_size`` of every layer's KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ScheduledChunk:
+    """A run of consecutive tokens of one sequence whose KV this step computes."""
+
+    request_id: str
+    token_ids: list[int]  # input ids, positions start_pos .. start_pos + len - 1
+    start_pos: int  # num_computed_tokens before this step
+    block_table: list[int]  # physical blocks covering positions [0, start_pos + len)
+    sample: bool  # chunk ends at the sequence's last token: the runner returns its logits
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's work. Copies and swaps run before the forward, in this order:
+    swap_out, swap_in, copy_blocks."""
+
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    copy_blocks: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def sampled_ids(self) -> list[str]:
+        """Request ids whose logits the runner returns, in row order."""
+        return [c.request_id for c in self.chunks if c.sample]

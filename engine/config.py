@@ -1,0 +1,92 @@
+"""Typed configuration objects: one per subsystem, validated when built, never mutated after."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a decoder-only checkpoint, read from its ``config.json`` by the loader."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # e.g. Llama 3.x {"rope_type": "llama3", ...}
+    attention_bias: bool  # Qwen2 has q/k/v bias
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None  # Mistral; None means full attention
+    dtype: torch.dtype  # the dtype the runner computes in (after --dtype resolution)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Ideal KV payload per token (seed §4.1): 2 * layers * kv_heads * head_dim * bytes."""
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+
+
+class EngineConfig(BaseModel):
+    """Limits of one engine instance (scheduler + KV cache + runner)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_size: int = Field(16, ge=1, le=256, description="tokens per KV block; 16 as vLLM")
+    kv_cache_bytes: int = Field(
+        512 * 2**20, ge=2**16, description="bytes of KV cache on the device; sets the block count"
+    )
+    swap_space_bytes: int = Field(
+        256 * 2**20, ge=0, description="bytes of host memory for swapped-out KV blocks"
+    )
+    max_num_seqs: int = Field(64, ge=1, description="most sequences in one batch (batch slots)")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="token budget of one step, shared by prefill chunks and decodes"
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="context limit in tokens; None takes the model's maximum"
+    )
+    enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
+    enable_prefix_caching: bool = Field(True, description="reuse KV of identical token prefixes")
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        "recompute", description="how to free KV when blocks run out (seed §4.4)"
+    )
+    scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="admission order")
+    admission_policy: Literal["queue", "reject", "degrade"] = Field(
+        "queue",
+        description="when a KV reservation does not fit: wait in QUEUED (until the deadline), "
+        "REJECT at once, or admit DEGRADED with a reservation shrunk to what fits",
+    )
+    batching: Literal["continuous", "static"] = Field(
+        "continuous", description="static refills only when the whole batch is done (baseline)"
+    )
+    admission_output_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="predicted output length reserved at admission; None reserves max_tokens",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="compute dtype; auto keeps the checkpoint's"
+    )
+    device: str = Field("auto", description="'auto' picks cuda when present, else cpu")
+    seed: int = Field(0, description="seed for requests that give none")
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,204 @@
+"""The request and its state machine (seed §0.2) — the one place that defines both.
+
+::
+
+    QUEUED ──> RUNNABLE ──> PREFILLING ──> DECODING <──> BACKPRESSURED
+      │  ╲         ^            │   ^          │
+      │   DEGRADED │            v   │          v
+      │            └──── PREEMPTED / SWAPPED <─┘
+      └──> WAITING_FOR_KV ──> DECODING            (disaggregated decode side)
+
+    any non-terminal ──> CANCELLED | TIMED_OUT | FAILED
+    PREFILLING | DECODING | BACKPRESSURED ──> FINISHED
+    QUEUED | DEGRADED ──> REJECTED
+
+Only the scheduler (or the worker that owns the request) calls :meth:`Request.transition`.
+Terminal records are written by the one reclaim routine (``Scheduler.reclaim``).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling_params import SamplingParams
+
+
+class IllegalTransition(RuntimeError):
+    """A state change that the §0.2 state machine does not allow."""
+
+
+class RequestStatus(enum.Enum):
+    QUEUED = "queued"  # admitted with a KV *reservation*; no physical blocks
+    DEGRADED = "degraded"  # admitted with a smaller reservation than asked
+    RUNNABLE = "runnable"  # picked by a tick; reservation turned into physical blocks
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    PREEMPTED = "preempted"  # KV dropped; will recompute
+    SWAPPED = "swapped"  # KV moved to host memory
+    BACKPRESSURED = "backpressured"  # client reads slower than we generate
+    WAITING_FOR_KV = "waiting_for_kv"  # decode side: blocks reserved, KV in flight
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    TIMED_OUT = "timed_out"
+    FAILED = "failed"
+    REJECTED = "rejected"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in _TERMINAL
+
+
+_TERMINAL = frozenset(
+    {
+        RequestStatus.FINISHED,
+        RequestStatus.CANCELLED,
+        RequestStatus.TIMED_OUT,
+        RequestStatus.FAILED,
+        RequestStatus.REJECTED,
+    }
+)
+
+S = RequestStatus
+_ABORTS = {S.CANCELLED, S.TIMED_OUT, S.FAILED}
+ALLOWED_TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    S.QUEUED: frozenset({S.RUNNABLE, S.DEGRADED, S.WAITING_FOR_KV, S.REJECTED, *_ABORTS}),
+    S.DEGRADED: frozenset({S.RUNNABLE, S.REJECTED, *_ABORTS}),
+    S.RUNNABLE: frozenset({S.PREFILLING, S.PREEMPTED, S.SWAPPED, *_ABORTS}),
+    S.PREFILLING: frozenset({S.PREFILLING, S.DECODING, S.PREEMPTED, S.SWAPPED, S.FINISHED, *_ABORTS}),
+    S.DECODING: frozenset({S.BACKPRESSURED, S.PREEMPTED, S.SWAPPED, S.FINISHED, *_ABORTS}),
+    S.BACKPRESSURED: frozenset({S.DECODING, S.PREEMPTED, S.SWAPPED, S.FINISHED, *_ABORTS}),
+    S.PREEMPTED: frozenset({S.RUNNABLE, *_ABORTS}),
+    S.SWAPPED: frozenset({S.RUNNABLE, *_ABORTS}),
+    S.WAITING_FOR_KV: frozenset({S.DECODING, S.RUNNABLE, *_ABORTS}),
+    S.FINISHED: frozenset(),
+    S.CANCELLED: frozenset(),
+    S.TIMED_OUT: frozenset(),
+    S.FAILED: frozenset(),
+    S.REJECTED: frozenset(),
+}
+del S
+
+
+class FinishReason(enum.Enum):
+    EOS = "eos"
+    STOP_TOKEN = "stop_token"
+    STOP_STRING = "stop_string"
+    MAX_TOKENS = "max_tokens"
+    CONTEXT_LIMIT = "context_limit"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+    REJECTED = "rejected"
+
+    @property
+    def openai(self) -> str:
+        """The OpenAI API's ``finish_reason`` for this reason."""
+        return _OPENAI_REASON[self]
+
+    @property
+    def status(self) -> RequestStatus:
+        """The terminal status a request ending for this reason enters."""
+        return _REASON_STATUS.get(self, RequestStatus.FINISHED)
+
+
+_OPENAI_REASON = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_TOKEN: "stop",
+    FinishReason.STOP_STRING: "stop",
+    FinishReason.MAX_TOKENS: "length",
+    FinishReason.CONTEXT_LIMIT: "length",
+    FinishReason.CANCELLED: "abort",
+    FinishReason.DEADLINE: "timeout",
+    FinishReason.ERROR: "error",
+    FinishReason.REJECTED: "rejected",
+}
+_REASON_STATUS = {
+    FinishReason.CANCELLED: RequestStatus.CANCELLED,
+    FinishReason.DEADLINE: RequestStatus.TIMED_OUT,
+    FinishReason.ERROR: RequestStatus.FAILED,
+    FinishReason.REJECTED: RequestStatus.REJECTED,
+}
+
+
+@dataclass
+class RequestTimes:
+    """Wall-clock stamps (``time.time()``) of one request; metrics derive from these (§2.1)."""
+
+    arrival: float
+    queued: float | None = None
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    emits: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+@dataclass(frozen=True)
+class TerminalRecord:
+    """Exactly one per request (seed §1.7 (4)): what billing and logs read."""
+
+    request_id: str
+    status: RequestStatus
+    finish_reason: FinishReason
+    num_prompt_tokens: int
+    num_generated: int  # tokens the sampler produced (incl. ones cut by a stop string)
+    num_committed: int  # tokens kept in the output sequence (the billable count)
+    num_emitted: int  # tokens whose text reached the client
+    arrival: float
+    first_token: float | None
+    finished: float
+    error: str | None = None
+
+
+@dataclass
+class Request:
+    """One sequence being served. Token counting, not phase tracking, drives scheduling:
+    the scheduler lets ``num_computed_tokens`` catch up with ``num_tokens``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    priority: int = 0  # lower runs first under the priority policy
+    deadline: float | None = None  # absolute time.time(); None means no deadline
+    cache_salt: str = ""  # tenant salt: prefix-cache hits only within one salt
+    eos_token_ids: frozenset[int] = frozenset()
+
+    status: RequestStatus = RequestStatus.QUEUED
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_generated: int = 0
+    num_emitted: int = 0
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+    record: TerminalRecord | None = None
+    times: RequestTimes = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: empty prompt")
+        self.times = RequestTimes(arrival=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_terminal
+
+    def transition(self, new: RequestStatus) -> None:
+        """Move to ``new``; raise IllegalTransition if §0.2 does not allow it."""
+        if new not in ALLOWED_TRANSITIONS[self.status]:
+            raise IllegalTransition(f"request {self.request_id}: {self.status.name} -> {new.name}")
+        self.status = new

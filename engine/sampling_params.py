@@ -1,0 +1,112 @@
+"""Per-request sampling parameters (seed §3) — one validated, immutable object.
+
+Penalty conventions (the seed asks each implementation to declare them):
+- ``repetition_penalty`` applies to every token seen so far, prompt *and* output (HF convention);
+- ``frequency_penalty`` / ``presence_penalty`` count output tokens only (OpenAI convention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidSamplingParams(ValueError):
+    """A sampling parameter is out of range; the message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a request asks of the sampler and of the stop checker.
+
+    Disabled values: ``top_k <= 0``, ``top_p == 1``, ``min_p == 0``, ``typical_p == 1``,
+    ``repetition_penalty == 1``, penalties ``== 0``. ``temperature == 0`` is greedy (its own
+    branch; the lowest token id wins a tie).
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    no_repeat_ngram_size: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        # Normalise list inputs so the object stays hashable-ish and immutable.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "bad_words_ids", tuple(tuple(w) for w in self.bad_words_ids))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, why: str) -> InvalidSamplingParams:
+            return InvalidSamplingParams(f"{name}={getattr(self, name)!r}: {why}")
+
+        if self.n < 1:
+            raise bad("n", "must be >= 1")
+        if self.max_tokens < 1:
+            raise bad("max_tokens", "must be >= 1")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise bad("min_tokens", "must be in [0, max_tokens]")
+        if not self.temperature >= 0.0 or self.temperature != self.temperature:
+            raise bad("temperature", "must be >= 0")
+        if self.top_k < 0:
+            raise bad("top_k", "must be >= 0 (0 disables)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "must be in (0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "must be in [0, 1]")
+        if not 0.0 < self.typical_p <= 1.0:
+            raise bad("typical_p", "must be in (0, 1]")
+        if not self.repetition_penalty > 0.0:
+            raise bad("repetition_penalty", "must be > 0")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise bad("frequency_penalty", "must be in [-2, 2]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise bad("presence_penalty", "must be in [-2, 2]")
+        if self.no_repeat_ngram_size < 0:
+            raise bad("no_repeat_ngram_size", "must be >= 0")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", "must be in [0, 20]")
+        if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
+            raise bad("allowed_token_ids", "must not be empty")
+        if any(len(w) == 0 for w in self.bad_words_ids):
+            raise bad("bad_words_ids", "sequences must not be empty")
+        if any(s == "" for s in self.stop):
+            raise bad("stop", "stop strings must not be empty")
+        for tid in (*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())):
+            if tid < 0:
+                raise InvalidSamplingParams(f"token id {tid} is negative")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate_vocab(self, vocab_size: int) -> None:
+        """Raise InvalidSamplingParams if a token id falls outside the model's vocabulary."""
+        ids = [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())]
+        ids += [t for w in self.bad_words_ids for t in w]
+        for tid in ids:
+            if tid >= vocab_size:
+                raise InvalidSamplingParams(f"token id {tid} is outside the vocabulary (size {vocab_size})")
+        if self.top_k > vocab_size:
+            raise InvalidSamplingParams(f"top_k={self.top_k}: larger than the vocabulary ({vocab_size})")

@@ -1,0 +1,1 @@
+"""Tandem kv_transfer package."""

@@ -1,0 +1,1 @@
+"""Tandem prefill_worker package."""
