@@ -1,0 +1,224 @@
+"""Streaming text for one request: incremental detokenisation, then stop-string holdback.
+
+Two boundary problems sit between sampled ids and the client (seed §3.7, [D03]):
+
+1. A character may span several tokens (UTF-8 split over byte-fallback or byte-level tokens),
+   and SentencePiece decoders strip the leading space of the whole text. The
+   :class:`IncrementalDetokenizer` decodes a small window of recent ids and releases only text
+   that later tokens cannot change, so the pieces always add up to ``tokenizer.decode(ids)``.
+2. A stop string may span several tokens' text. The :class:`StopStringChecker` holds back any
+   tail that could still grow into a stop string and cuts the output at the first match.
+
+::
+
+    ids ──> IncrementalDetokenizer ──stable text──> StopStringChecker ──safe text──> client
+            (window prefix:read:end)                (held tail <= longest stop - 1)
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.tokenizer import Tokenizer
+
+_REPLACEMENT = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns one id at a time into text; O(window) work per id, not a full decode.
+
+    Ids are kept without special tokens (``decode(skip_special_tokens=True)`` drops them before
+    decoding, so dropping them on arrival is the same). ``ids[prefix:read]`` is the last text
+    already released, decoded again as context; ``ids[read:]`` is pending. Text is released
+    when the window's decode no longer ends in U+FFFD (an unfinished UTF-8 sequence) and the
+    newest id is not a byte-fallback token: a byte-fallback decoder decodes a whole run of byte
+    tokens at once (an invalid run turns *every* byte into U+FFFD), so a run is final only once
+    a non-byte token ends it.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._prefix = 0
+        self._read = 0
+        self.num_tokens = 0  # ids pushed, special ones included
+        self.num_stable_tokens = 0  # leading pushed ids whose text is all released
+
+    def push(self, token_id: int) -> str:
+        """Add one sampled id; return the text that became final ("" while held back)."""
+        self.num_tokens += 1
+        if token_id in self._tok.special_token_ids or self._tok.id_to_token(token_id) is None:
+            if self._read == len(self._ids):
+                self.num_stable_tokens = self.num_tokens
+            return ""
+        self._ids.append(token_id)
+        if token_id in self._tok.byte_token_ids:
+            return ""
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """Release whatever is held (the request ended): broken UTF-8 comes out as U+FFFD."""
+        return self._release(final=True) if self._read < len(self._ids) else ""
+
+    def _release(self, final: bool) -> str:
+        window = self._ids[self._prefix :]
+        text = self._tok.decode(window, skip_special_tokens=False)
+        if text.endswith(_REPLACEMENT) and not final:
+            return ""
+        # No byte run or unfinished character crosses ``read``, so the window's text is the text
+        # of ids[prefix:read] followed by exactly that of the new ids. A leading space the
+        # decoder strips at the window start is stripped from both decodes; only the very first
+        # window (prefix == read == 0) starts the output, where the strip is real.
+        done = self._tok.decode(window[: self._read - self._prefix], skip_special_tokens=False)
+        self._prefix, self._read = self._read, len(self._ids)
+        self.num_stable_tokens = self.num_tokens
+        return text[len(done) :]
+
+
+@dataclass(frozen=True)
+class StopMatch:
+    stop: str  # the stop string that matched
+    text: str  # the last safe text (cut before the stop, or after it when it is included)
+
+
+class StopStringChecker:
+    """Holds back text that could still become a stop string; cuts at the first match.
+
+    The first match is the one whose end comes first in the text (the point at which a reader
+    going character by character would stop); of matches ending there, the longest. So the
+    output does not depend on how the text was split into pieces.
+    """
+
+    def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
+        if any(s == "" for s in stop):
+            raise ValueError("stop strings must not be empty")
+        self._stops = tuple(dict.fromkeys(stop))
+        self._include = include_stop_str_in_output
+        self._longest = max((len(s) for s in self._stops), default=0)
+        self._held = ""
+        self.matched: str | None = None
+        self.num_released_chars = 0  # input characters released (emitted or cut) so far
+
+    def feed(self, text: str) -> str | StopMatch:
+        """Add text; return what is now safe to emit, or a StopMatch (then feed no more)."""
+        if self.matched is not None:
+            raise RuntimeError(f"stop string {self.matched!r} already matched")
+        buf = self._held + text
+        best: tuple[tuple[int, int], str] | None = None  # ((end, start), stop)
+        for stop in self._stops:
+            start = buf.find(stop)  # first occurrence: this stop's earliest end
+            if start >= 0 and (best is None or (start + len(stop), start) < best[0]):
+                best = ((start + len(stop), start), stop)
+        if best is not None:
+            (end, start), stop = best
+            self.matched = stop
+            self._held = ""
+            self.num_released_chars += len(buf)
+            return StopMatch(stop, buf[: end if self._include else start])
+        keep = self._holdback(buf)
+        self._held = buf[len(buf) - keep :]
+        self.num_released_chars += len(buf) - keep
+        return buf[: len(buf) - keep]
+
+    def flush(self) -> str:
+        """Release the held tail: the text ended, so it can no longer become a stop string."""
+        held, self._held = self._held, ""
+        self.num_released_chars += len(held)
+        return held
+
+    def _holdback(self, buf: str) -> int:
+        """Length of the longest suffix of ``buf`` that is a proper prefix of a stop string."""
+        for n in range(min(len(buf), self._longest - 1), 0, -1):
+            tail = buf[-n:]
+            if any(s.startswith(tail) for s in self._stops):
+                return n
+        return 0
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    text: str  # new text for the client ("" while held back)
+    stop_matched: str | None = None  # set on the step whose token completed a stop string
+
+
+class TextStream:
+    """The per-request object the engine feeds each sampled id.
+
+    Counts (for the terminal record): ``num_tokens`` ids fed; ``num_emitted`` ids whose text has
+    fully reached the client; ``num_committed`` ids kept in the output — all of them, or on a
+    stop-string match those up to and including the id that completed it.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
+    ) -> None:
+        self._detok = IncrementalDetokenizer(tokenizer)
+        self._stop = StopStringChecker(stop, include_stop_str_in_output)
+        # (characters fed to the stop checker, ids fully detokenised by then), oldest first:
+        # once the checker has released that many characters, those ids are fully emitted.
+        self._marks: deque[tuple[int, int]] = deque()
+        self._chars_fed = 0
+        self._finished = False
+        self._pieces: list[str] = []
+        self.num_emitted = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self._detok.num_tokens
+
+    @property
+    def num_committed(self) -> int:
+        """Ids kept in the output. A stop match ends the stream, so after one this counts the
+        ids up to and including the one that completed it; ids sampled later are not committed."""
+        return self.num_tokens
+
+    @property
+    def stop_matched(self) -> str | None:
+        return self._stop.matched
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        return "".join(self._pieces)
+
+    def step(self, token_id: int) -> StreamDelta:
+        """Feed one sampled id. Raises RuntimeError after a stop match or ``finish``."""
+        if self._finished or self._stop.matched is not None:
+            raise RuntimeError("stream already ended")
+        delta = self._feed(self._detok.push(token_id))
+        return StreamDelta(delta, self._stop.matched)
+
+    def finish(self) -> str:
+        """The request ended: release held text (cut at a stop string it completes).
+        Calling it again, or after a stop match, returns ""."""
+        if self._finished or self._stop.matched is not None:
+            self._finished = True
+            return ""
+        self._finished = True
+        out = self._feed(self._detok.flush())
+        if self._stop.matched is None:
+            tail = self._stop.flush()
+            self._pieces.append(tail)
+            out += tail
+        self.num_emitted = self.num_tokens
+        return out
+
+    def _feed(self, text: str) -> str:
+        self._chars_fed += len(text)
+        stable = self._detok.num_stable_tokens
+        if stable > (self._marks[-1][1] if self._marks else self.num_emitted):
+            self._marks.append((self._chars_fed, stable))
+        result = self._stop.feed(text) if text else ""
+        if isinstance(result, StopMatch):
+            self.num_emitted = self.num_tokens
+            self._marks.clear()
+            result = result.text
+        while self._marks and self._marks[0][0] <= self._stop.num_released_chars:
+            self.num_emitted = self._marks.popleft()[1]
+        self._pieces.append(result)
+        return result

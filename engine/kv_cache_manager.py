@@ -1,0 +1,373 @@
+"""Maps sequences onto KV blocks: reservations, prefix cache, CoW, swap (seed §1.2, §4, §5.5).
+
+Position ``p`` of a sequence lives in block ``table[p // block_size]``. Only FULL blocks are
+hashed; the hash chains over the parent block's hash, so a block is reused only when the
+whole prefix up to and including it is identical (same tokens, same salt, same model)::
+
+    tokens  [a b c d][e f g h][i j]
+    hashes   h0=H(-, abcd)  h1=H(h0, efgh)   (partial tail: never cached)
+
+This layer deals in block ids only; the (src, dst) copy and swap lists it emits go to the
+model runner through :class:`engine.batch.SchedulerOutput`.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import xxhash
+
+from engine.block_pool import BlockPool, HostBlockPool, KVInvariantError
+from engine.request import Request
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tuple) -> int:
+    """xxh3-64 of (parent hash, every token id, extra keys) packed unambiguously.
+
+    ``extra_keys`` is ``(cache_salt, model_id)``: another tenant's salt never matches.
+    """
+    extra = repr(extra_keys).encode()
+    packed = b"".join(
+        (
+            b"\x00" if parent_hash is None else b"\x01" + parent_hash.to_bytes(8, "little"),
+            struct.pack(f"<I{len(token_ids)}q", len(token_ids), *token_ids),
+            struct.pack("<I", len(extra)),
+            extra,
+        )
+    )
+    return xxhash.xxh3_64_intdigest(packed)
+
+
+def check_kv_heads_divisible(num_kv_heads: int, tp_degree: int) -> int:
+    """KV heads per tensor-parallel rank (seed [D08]); ValueError unless it divides exactly."""
+    if tp_degree < 1 or num_kv_heads < 1 or num_kv_heads % tp_degree != 0:
+        raise ValueError(
+            f"num_kv_heads={num_kv_heads} is not divisible by tp_degree={tp_degree}; "
+            "KV heads cannot be split across ranks unevenly"
+        )
+    return num_kv_heads // tp_degree
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """A snapshot for tests, metrics and the debug endpoint."""
+
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    in_use_blocks: int
+    reserved_blocks: int
+    host_total_blocks: int
+    host_free_blocks: int
+    logical_slots: int  # tokens actually stored (sum of device-resident sequence lengths)
+    allocated_slots: int  # sum over sequences of blocks held * block_size (shows fragmentation)
+
+
+@dataclass
+class _Seq:
+    """KV state of one request that holds (or held, if swapped) physical blocks."""
+
+    extra_keys: tuple[str, str]
+    blocks: list[int] = field(default_factory=list)  # device table; empty while swapped
+    host_blocks: list[int] = field(default_factory=list)  # non-empty only while swapped
+    block_hashes: list[int] = field(default_factory=list)  # chain over the full blocks
+    num_slots: int = 0  # positions covered once the scheduled tokens are computed
+
+
+class KVCacheManager:
+    """Block tables of all requests over one :class:`BlockPool` and one host swap pool."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        num_host_blocks: int = 0,
+        enable_prefix_caching: bool = True,
+        model_id: str = "",
+    ) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size}: must be >= 1")
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self.host_pool = HostBlockPool(num_host_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.model_id = model_id
+        self._seqs: dict[str, _Seq] = {}
+        self._reserved: dict[str, int] = {}  # request id -> reserved blocks (bookkeeping only)
+        self._pending_copies: list[tuple[int, int]] = []
+        # Blocks each request newly cached this step: their KV is only computed by the
+        # step's forward, so a same-step preemption must take them back out of the cache.
+        self._step_cached: dict[str, list[int]] = {}
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- phase-2 admission: accounting only (seed §1.2, §5.5) --
+
+    def _claims(self, exclude: str | None = None) -> int:
+        """Sum over requests of max(reserved, held) blocks, leaving out ``exclude``."""
+        ids = self._reserved.keys() | self._seqs.keys()
+        return sum(
+            max(self._reserved.get(r, 0), self.num_held_blocks(r)) for r in ids if r != exclude
+        )
+
+    def reserve(self, request_id: str, num_tokens: int) -> bool:
+        """Reserve blocks for ``num_tokens`` total tokens; replaces an earlier reservation.
+
+        Succeeds iff every request's max(reserved, held) still sums to <= num_blocks
+        (evictable cached blocks count as capacity). No physical block moves.
+        """
+        need = self.blocks_for(num_tokens)
+        claim = max(need, self.num_held_blocks(request_id))
+        if self._claims(exclude=request_id) + claim > self.pool.num_blocks:
+            return False
+        self._reserved[request_id] = need
+        return True
+
+    def reservable_tokens(self) -> int:
+        """Largest ``num_tokens`` a reserve() for a new request id would accept now."""
+        return max(0, self.pool.num_blocks - self._claims()) * self.block_size
+
+    def release_reservation(self, request_id: str) -> None:
+        self._reserved.pop(request_id, None)
+
+    # -- prefix cache --
+
+    def _extra_keys(self, request: Request) -> tuple[str, str]:
+        return (request.cache_salt, self.model_id)
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest run of cached FULL blocks matching the request's tokens under its salt.
+
+        Capped so the last token is always recomputed (its logits sample the next token,
+        seed §1.1). Takes no references. Returns (block_ids, num_cached_tokens).
+        """
+        if not self.enable_prefix_caching:
+            return [], 0
+        tokens = request.all_token_ids
+        extra = self._extra_keys(request)
+        hits: list[int] = []
+        parent: int | None = None
+        for i in range((len(tokens) - 1) // self.block_size):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = hash_block(parent, chunk, extra)
+            block_id = self.pool.lookup(block_hash, key=(parent, chunk, extra))
+            if block_id is None:
+                break
+            hits.append(block_id)
+            parent = block_hash
+        return hits, len(hits) * self.block_size
+
+    # -- physical allocation at scheduling --
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> list[int] | None:
+        """Grow the request's table to cover num_computed_tokens + num_new_tokens positions.
+
+        ``computed_blocks`` (first call only) are prefix hits, incref'd into the table. A
+        shared block that the new tokens write into is copied first (CoW; the pair goes to
+        take_pending_copies). Blocks that become full are hashed and cached. Returns the
+        newly taken block ids, or None, having changed nothing, if blocks run short.
+        """
+        rid = request.request_id
+        seq = self._seqs.get(rid)
+        computed = computed_blocks or []
+        if seq is not None and seq.host_blocks:
+            raise ValueError(f"request {rid}: allocate_slots while swapped out")
+        held = seq.blocks if seq is not None else []
+        if computed and held:
+            raise ValueError(f"request {rid}: computed_blocks on a request that holds blocks")
+        if len(computed) * self.block_size > request.num_computed_tokens:
+            raise ValueError(f"request {rid}: num_computed_tokens does not cover computed_blocks")
+        table = held or list(computed)
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        # Blocks the new tokens write into that others also hold must be replaced first.
+        written = range(start // self.block_size, min(len(table), self.blocks_for(end)))
+        cow = [i for i in written if num_new_tokens > 0 and self.pool.refcount(table[i]) > 1]
+        num_grow = max(0, self.blocks_for(end) - len(table))
+        revived = sum(1 for b in computed if self.pool.refcount(b) == 0)
+        if len(cow) + num_grow > self.pool.num_available - revived:
+            return None
+
+        if seq is None:
+            seq = self._seqs[rid] = _Seq(extra_keys=self._extra_keys(request))
+        self.pool.incref(computed)
+        seq.blocks = table
+        new_blocks = self.pool.allocate(len(cow) + num_grow)
+        if new_blocks is None:
+            raise KVInvariantError("allocate failed after the availability check")
+        for i, dst in zip(cow, new_blocks, strict=False):
+            src = table[i]
+            if i * self.block_size < start:  # the block holds computed tokens: copy them
+                self._pending_copies.append((src, dst))
+            self.pool.decref([src])
+            table[i] = dst
+        table.extend(new_blocks[len(cow) :])
+        seq.num_slots = max(seq.num_slots, end)
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, seq, min(end, request.num_tokens))
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, seq: _Seq, num_tokens: int) -> None:
+        """Hash and register the blocks fully covered by the first ``num_tokens`` tokens."""
+        num_full = num_tokens // self.block_size
+        if len(seq.block_hashes) >= num_full:
+            return
+        tokens = request.all_token_ids
+        for i in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            block_hash = hash_block(parent, chunk, seq.extra_keys)
+            seq.block_hashes.append(block_hash)
+            block = seq.blocks[i]
+            fresh = self.pool.block_hash(block) is None  # not a prefix hit
+            if self.pool.cache(block, block_hash, key=(parent, chunk, seq.extra_keys)) and fresh:
+                self._step_cached.setdefault(request.request_id, []).append(block)
+
+    def block_table(self, request_id: str) -> list[int]:
+        seq = self._seqs.get(request_id)
+        return list(seq.blocks) if seq is not None else []
+
+    def num_held_blocks(self, request_id: str) -> int:
+        seq = self._seqs.get(request_id)
+        return len(seq.blocks) if seq is not None else 0
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        """Drain the CoW (src, dst) pairs into this step's SchedulerOutput.copy_blocks.
+
+        Called once per step, after scheduling: it ends the step. The host blocks this
+        step's swap-ins read are freed (they were held back so no swap-out could overwrite
+        them) and the blocks cached this step become final.
+        """
+        copies, self._pending_copies = self._pending_copies, []
+        self.host_pool.finish_transfers()
+        self._step_cached.clear()
+        return copies
+
+    def _cancel_step(self, request_id: str, seq: _Seq) -> dict[int, int]:
+        """Undo this step's provisional work of a request dropped before its forward ran.
+
+        Blocks it cached this step will never be computed, so they leave the cache; CoW
+        copies into its blocks are cancelled. Returns {cancelled CoW dst: its src}.
+        """
+        for block in self._step_cached.pop(request_id, []):
+            self.pool.uncache(block)
+        held = set(seq.blocks)
+        cancelled = {dst: src for src, dst in self._pending_copies if dst in held}
+        self._pending_copies = [(s, d) for s, d in self._pending_copies if d not in cancelled]
+        return cancelled
+
+    # -- n > 1 --
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every parent block; the partial tail is copied on first write."""
+        parent = self._seqs.get(parent_id)
+        if parent is None or parent.host_blocks:
+            raise ValueError(f"fork: parent {parent_id} holds no device blocks")
+        if child_id in self._seqs:
+            raise ValueError(f"fork: child {child_id} already holds blocks")
+        self.pool.incref(parent.blocks)
+        self._seqs[child_id] = _Seq(
+            extra_keys=parent.extra_keys,
+            blocks=list(parent.blocks),
+            block_hashes=list(parent.block_hashes),
+            num_slots=parent.num_slots,
+        )
+
+    # -- freeing and preemption (seed §1.7, §4.4) --
+
+    def free(self, request_id: str) -> bool:
+        """THE freeing path: drop all device and host blocks and the reservation.
+
+        Blocks are released tail first so the LRU evicts the deepest prefix blocks first.
+        Idempotent: returns False, changing nothing, when the request holds nothing.
+        """
+        seq = self._seqs.pop(request_id, None)
+        reserved = self._reserved.pop(request_id, None)
+        if seq is not None:
+            self._cancel_step(request_id, seq)
+            self.pool.decref(seq.blocks[::-1])
+            self.host_pool.free(seq.host_blocks)
+        return seq is not None or reserved is not None
+
+    def can_swap_out(self, request_id: str) -> bool:
+        seq = self._seqs.get(request_id)
+        return seq is not None and bool(seq.blocks) and len(seq.blocks) <= self.host_pool.num_free
+
+    def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Move the request's KV to host blocks; returns (device, host) pairs or None.
+
+        A block whose CoW copy is still pending is read from the copy's source instead.
+        """
+        if not self.can_swap_out(request_id):
+            return None
+        seq = self._seqs[request_id]
+        host = self.host_pool.allocate(len(seq.blocks))
+        if host is None:
+            raise KVInvariantError("host allocate failed after can_swap_out")
+        moved = self._cancel_step(request_id, seq)
+        pairs = [(moved.get(d, d), h) for d, h in zip(seq.blocks, host, strict=True)]
+        self.pool.decref(seq.blocks[::-1])
+        seq.blocks, seq.host_blocks = [], host
+        return pairs
+
+    def can_swap_in(self, request_id: str) -> bool:
+        seq = self._seqs.get(request_id)
+        return (
+            seq is not None
+            and bool(seq.host_blocks)
+            and len(seq.host_blocks) <= self.pool.num_available
+        )
+
+    def swap_in(self, request_id: str) -> list[tuple[int, int]] | None:
+        """Bring a swapped request back into fresh device blocks; (host, device) pairs."""
+        if not self.can_swap_in(request_id):
+            return None
+        seq = self._seqs[request_id]
+        device = self.pool.allocate(len(seq.host_blocks))
+        if device is None:
+            raise KVInvariantError("device allocate failed after can_swap_in")
+        pairs = list(zip(seq.host_blocks, device, strict=True))
+        self.host_pool.free_after_transfer(seq.host_blocks)
+        seq.blocks, seq.host_blocks = device, []
+        return pairs
+
+    # -- observability --
+
+    def stats(self) -> KVStats:
+        on_device = [s for s in self._seqs.values() if s.blocks]
+        return KVStats(
+            total_blocks=self.pool.num_blocks,
+            free_blocks=self.pool.num_free,
+            cached_blocks=self.pool.num_cached,
+            in_use_blocks=self.pool.num_in_use,
+            reserved_blocks=sum(self._reserved.values()),
+            host_total_blocks=self.host_pool.num_blocks,
+            host_free_blocks=self.host_pool.num_free,
+            logical_slots=sum(s.num_slots for s in on_device),
+            allocated_slots=sum(len(s.blocks) for s in on_device) * self.block_size,
+        )
+
+    def check(self) -> None:
+        """Pool conservation, tables consistent with refcounts block by block, host pool ok."""
+        self.pool.check()
+        held = [0] * self.pool.num_blocks
+        for rid, seq in self._seqs.items():
+            if seq.blocks and seq.host_blocks:
+                raise KVInvariantError(f"request {rid} is both on device and swapped")
+            if len(set(seq.blocks)) != len(seq.blocks):
+                raise KVInvariantError(f"request {rid} holds a block twice")
+            for block_id in seq.blocks:
+                held[block_id] += 1
+        for block_id, count in enumerate(held):
+            if count != self.pool.refcount(block_id):
+                raise KVInvariantError(
+                    f"block {block_id}: {count} table references, "
+                    f"refcount {self.pool.refcount(block_id)}"
+                )
+        self.host_pool.check([b for s in self._seqs.values() for b in s.host_blocks])

@@ -1,0 +1,353 @@
+"""The sampler: one token per row of a [B, V] logits tensor (seed §3).
+
+Pipeline (seed §3.1), each step skipped for rows that leave it disabled:
+
+    hard constraints -> penalties -> temperature -> top-k -> top-p -> min-p -> typical -> draw
+
+Steps 1–2 live in :mod:`engine.logits_processors`. ``temperature == 0`` is its own greedy branch
+(argmax, lowest token id wins a tie) and never divides by zero. Each truncation filter
+renormalises what it keeps, so the next filter sees a distribution (top-k then top-p differs from
+top-p then top-k, seed [D02]). Every filter is also a pure function over one 1-D distribution
+(``top_p_filter`` ...) that runs the same batched code on a batch of one.
+
+Randomness is per request: each sequence owns a CPU ``torch.Generator`` and spends one uniform
+per sampled token (inverse CDF), so a seeded request draws the same tokens whatever shares its
+batch, and its generator state can be snapshotted and restored when the sequence migrates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import xxhash
+from torch import Tensor
+
+from engine.logits_processors import TokenHistory, needs_processing, process_logits
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+# Cumulative mass within this of the target counts as reaching it, so that float rounding of an
+# exact boundary (0.3 + 0.33 vs typical_p = 0.63) cannot pull in one more token.
+_MASS_TOL = 1e-6
+
+MaskFn = Callable[[Tensor, Sequence[float]], Tensor]
+
+
+# -- truncation filters, batched: probs [B, V] with rows summing to 1 -> keep mask [B, V] --------
+
+
+def top_k_mask(probs: Tensor, k: Sequence[float]) -> Tensor:
+    """Keep the k most probable tokens of each row; ties at the k-th place go to smaller ids."""
+    vocab = probs.shape[-1]
+    ks = torch.tensor(k, device=probs.device).long().clamp(1, vocab)
+    kth = probs.topk(int(ks.max())).values.gather(-1, (ks - 1)[:, None])
+    above = probs > kth
+    tied = probs == kth
+    room = ks[:, None] - above.sum(-1, keepdim=True)
+    return above | (tied & (tied.cumsum(-1) <= room))
+
+
+def top_p_mask(probs: Tensor, p: Sequence[float]) -> Tensor:
+    """Keep the smallest most-probable-first prefix (ties by id) whose mass reaches p; the
+    token that crosses p is kept (p = [.4, .3, .2, .1], p0 = .65 -> {0, 1})."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    return _prefix_mask(sorted_probs, order, p)
+
+
+def min_p_mask(probs: Tensor, alpha: Sequence[float]) -> Tensor:
+    """Keep p_i >= alpha * max p (i.e. z_i >= z_max + T log alpha): the max always stays."""
+    scale = torch.tensor(alpha, dtype=probs.dtype, device=probs.device)[:, None]
+    return probs >= scale * probs.amax(-1, keepdim=True)
+
+
+def typical_mask(probs: Tensor, mass: Sequence[float]) -> Tensor:
+    """Typical sampling: order tokens by |-log p_i - H| ascending (ties by id) and keep the
+    smallest prefix reaching ``mass``; this may drop the most probable token (seed §3.3)."""
+    logp = probs.log()
+    entropy = -torch.where(probs > 0, probs * logp, 0).sum(-1, keepdim=True)
+    distance = (-logp - entropy).abs()  # +inf for zero-probability tokens: they sort last
+    _, order = distance.sort(dim=-1, stable=True)
+    return _prefix_mask(probs.gather(-1, order), order, mass)
+
+
+def _prefix_mask(sorted_probs: Tensor, order: Tensor, mass: Sequence[float]) -> Tensor:
+    """Keep sorted positions whose preceding cumulative mass is still below ``mass``."""
+    target = torch.tensor(mass, dtype=torch.float64, device=sorted_probs.device)[:, None]
+    before = sorted_probs.double().cumsum(-1) - sorted_probs
+    keep = (before < target - _MASS_TOL) | (target >= 1.0)  # mass 1 keeps every token
+    keep[:, 0] = True  # the first token alone may already reach the target
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+def _renormalise(probs: Tensor, keep: Tensor) -> Tensor:
+    kept = torch.where(keep, probs, 0)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def _tempered_probs(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
+    """softmax(z / T) per row, T > 0; subtracting the row max first keeps tiny T finite."""
+    temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
+    return torch.softmax((logits - logits.amax(-1, keepdim=True)) / temps, dim=-1)
+
+
+# -- the same filters over a single 1-D distribution (seed §8 [D01] / [D02]) ---------------------
+
+
+def temperature_probs(logits: Tensor, temperature: float) -> Tensor:
+    """softmax(z / T) of a 1-D logits tensor. Raises ValueError for T <= 0 (greedy is argmax)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r}: softmax(z / T) is defined only for T > 0")
+    return _tempered_probs(_one_row(logits), [temperature])[0]
+
+
+def greedy_token(logits: Tensor) -> int:
+    """argmax of a 1-D logits tensor; the lowest id wins a tie."""
+    return int(_one_row(logits).argmax(-1))
+
+
+def top_k_filter(probs: Tensor, k: int) -> Tensor:
+    """Renormalised top-k of a 1-D distribution. Raises ValueError for k < 1."""
+    if k < 1:
+        raise ValueError(f"k={k}: top-k needs k >= 1")
+    return _filter_one(top_k_mask, probs, k)
+
+
+def top_p_filter(probs: Tensor, p: float) -> Tensor:
+    """Renormalised top-p (nucleus) of a 1-D distribution, p in (0, 1]."""
+    return _filter_one(top_p_mask, probs, p)
+
+
+def min_p_filter(probs: Tensor, alpha: float) -> Tensor:
+    """Renormalised min-p of a 1-D distribution, alpha in [0, 1]."""
+    return _filter_one(min_p_mask, probs, alpha)
+
+
+def typical_filter(probs: Tensor, mass: float) -> Tensor:
+    """Renormalised typical-p of a 1-D distribution, mass in (0, 1]."""
+    return _filter_one(typical_mask, probs, mass)
+
+
+def _one_row(values: Tensor) -> Tensor:
+    if values.dim() != 1:
+        raise ValueError(f"expected a 1-D tensor, got shape {tuple(values.shape)}")
+    return values[None]
+
+
+def _filter_one(mask: MaskFn, probs: Tensor, value: float) -> Tensor:
+    row = _one_row(probs)
+    row = row / row.sum(-1, keepdim=True)
+    return _renormalise(row, mask(row, [value]))[0]
+
+
+# -- per-sequence state ---------------------------------------------------------------------------
+
+
+def request_seed(seed: int | None, request_id: str, engine_seed: int, sample_index: int = 0) -> int:
+    """The generator seed of one sequence: the request's own seed, else one derived from the
+    engine seed and the request id (a stable hash, unlike ``hash()``); ``sample_index`` > 0
+    gives the other sequences of an n > 1 request their own streams."""
+    if seed is not None and sample_index == 0:
+        return seed
+    key = (
+        f"{seed}:{sample_index}"
+        if seed is not None
+        else f"{engine_seed}:{request_id}:{sample_index}"
+    )
+    return xxhash.xxh64_intdigest(key.encode())
+
+
+@dataclass(frozen=True)
+class SamplingSnapshot:
+    """What a migrating sequence carries so that sampling continues the identical stream."""
+
+    rng_state: bytes
+    num_output_tokens: int  # output length the state belongs to: restore checks it
+
+
+@dataclass
+class SamplingState:
+    """Everything the sampler keeps for one sequence between steps; lives with the request."""
+
+    params: SamplingParams
+    history: TokenHistory
+    eos_token_ids: frozenset[int]
+    generator: torch.Generator
+
+    @classmethod
+    def create(
+        cls,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        *,
+        seed: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> SamplingState:
+        """A fresh state; ``output_token_ids`` is the sequence's live list (read every step)."""
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        history = TokenHistory(
+            prompt_token_ids, output_token_ids, ngram_size=params.no_repeat_ngram_size
+        )
+        return cls(params, history, eos_token_ids, generator)
+
+    @classmethod
+    def for_request(
+        cls, request: Request, engine_seed: int, sample_index: int = 0
+    ) -> SamplingState:
+        params = request.sampling_params
+        seed = request_seed(params.seed, request.request_id, engine_seed, sample_index)
+        return cls.create(
+            params,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            seed=seed,
+            eos_token_ids=request.eos_token_ids,
+        )
+
+    def snapshot(self) -> SamplingSnapshot:
+        state = self.generator.get_state()
+        return SamplingSnapshot(state.numpy().tobytes(), len(self.history.output))
+
+    @classmethod
+    def restore(
+        cls,
+        snapshot: SamplingSnapshot,
+        params: SamplingParams,
+        prompt_token_ids: Sequence[int],
+        output_token_ids: Sequence[int],
+        eos_token_ids: frozenset[int] = frozenset(),
+    ) -> SamplingState:
+        """Rebuild a state from a snapshot. Raises ValueError if the output length differs from
+        the one the snapshot was taken at (the stream would be misaligned)."""
+        if len(output_token_ids) != snapshot.num_output_tokens:
+            raise ValueError(
+                f"snapshot taken at {snapshot.num_output_tokens} output tokens, "
+                f"sequence has {len(output_token_ids)}"
+            )
+        state = cls.create(
+            params, prompt_token_ids, output_token_ids, seed=0, eos_token_ids=eos_token_ids
+        )
+        rng = torch.frombuffer(bytearray(snapshot.rng_state), dtype=torch.uint8)
+        state.generator.set_state(rng)
+        return state
+
+
+# -- the batched sampler --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprobs of the RAW model distribution (log_softmax of the unprocessed logits, vLLM's
+    default): not changed by penalties, temperature or filters."""
+
+    logprob: float  # of the sampled token
+    top: list[tuple[int, float]]  # the params.logprobs most likely (id, logprob); ties by id
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]  # None where the request did not ask for logprobs
+
+
+Filter = tuple[MaskFn, Callable[[SamplingParams], float], Callable[[SamplingParams, int], bool]]
+
+# (mask, the row's value, whether the row enables it), in pipeline order
+_FILTERS: tuple[Filter, ...] = (
+    (top_k_mask, lambda p: p.top_k, lambda p, vocab: 0 < p.top_k < vocab),
+    (top_p_mask, lambda p: p.top_p, lambda p, vocab: p.top_p < 1.0),
+    (min_p_mask, lambda p: p.min_p, lambda p, vocab: p.min_p > 0.0),
+    (typical_mask, lambda p: p.typical_p, lambda p, vocab: p.typical_p < 1.0),
+)
+
+
+class Sampler:
+    """Turns one step's logits into tokens; stateless apart from the vocabulary size."""
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def __call__(self, logits: Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args: ``logits`` [B, V] (any float dtype, any device); ``states`` one per row.
+        Returns: the tokens and, where asked, their logprobs.
+        Raises: ValueError if the shapes do not match.
+        """
+        if logits.shape != (len(states), self.vocab_size):
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} != ({len(states)}, {self.vocab_size})"
+            )
+        params = [s.params for s in states]
+        z = logits.float()
+        if any(needs_processing(s.params, s.history, s.eos_token_ids) for s in states):
+            z = z.clone() if z is logits else z
+            histories = [s.history for s in states]
+            process_logits(z, logits, params, histories, [s.eos_token_ids for s in states])
+
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if not sampled:
+            tokens = z.argmax(-1)
+        elif not greedy:
+            tokens = self._sample(z, states)
+        else:
+            tokens = torch.empty(len(states), dtype=torch.long, device=z.device)
+            greedy_index = torch.tensor(greedy, device=z.device)
+            sampled_index = torch.tensor(sampled, device=z.device)
+            tokens[greedy_index] = z[greedy_index].argmax(-1)
+            tokens[sampled_index] = self._sample(z[sampled_index], [states[i] for i in sampled])
+        token_ids = tokens.tolist()
+        return SamplerOutput(token_ids, _logprobs(logits, token_ids, params))
+
+    def _sample(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
+        """Temperature, truncation filters, then one inverse-CDF draw per row."""
+        params = [s.params for s in states]
+        probs = _tempered_probs(logits, [p.temperature for p in params])
+        for mask, value, enabled in _FILTERS:
+            rows = [i for i, p in enumerate(params) if enabled(p, self.vocab_size)]
+            if len(rows) == len(params):
+                probs = _renormalise(probs, mask(probs, [value(p) for p in params]))
+            elif rows:
+                index = torch.tensor(rows, device=probs.device)
+                sub = probs[index]
+                probs[index] = _renormalise(sub, mask(sub, [value(params[i]) for i in rows]))
+        return _draw(probs, [s.generator for s in states])
+
+
+def _draw(probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
+    """Inverse CDF with one uniform per row from that row's own generator; zero-probability
+    tokens are never returned (the clamp covers u * total rounding up to total)."""
+    uniforms = [torch.rand((), generator=g, dtype=torch.float64).item() for g in generators]
+    u = torch.tensor(uniforms, dtype=probs.dtype, device=probs.device)[:, None]
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    index = torch.searchsorted(cdf, u * total, right=True)
+    last_positive = (cdf < total).sum(-1, keepdim=True)
+    return torch.minimum(index, last_positive).squeeze(-1)
+
+
+def _logprobs(
+    logits: Tensor, token_ids: list[int], params: Sequence[SamplingParams]
+) -> list[TokenLogprobs | None]:
+    out: list[TokenLogprobs | None] = [None] * len(params)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not rows:
+        return out
+    index = torch.tensor(rows, device=logits.device)
+    logp = torch.log_softmax(logits[index].float(), dim=-1)
+    chosen = torch.tensor([token_ids[i] for i in rows], device=logits.device)[:, None]
+    chosen_logp = logp.gather(-1, chosen).squeeze(-1).tolist()
+    top_n = max(params[i].logprobs or 0 for i in rows)
+    vals: list[list[float]] = [[] for _ in rows]
+    ids: list[list[int]] = [[] for _ in rows]
+    if top_n:
+        top_vals, top_ids = logp.sort(dim=-1, descending=True, stable=True)
+        vals, ids = top_vals[:, :top_n].tolist(), top_ids[:, :top_n].tolist()
+    for j, row in enumerate(rows):
+        n = params[row].logprobs or 0
+        out[row] = TokenLogprobs(chosen_logp[j], list(zip(ids[j][:n], vals[j][:n], strict=True)))
+    return out

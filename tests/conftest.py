@@ -1,0 +1,120 @@
+"""Shared fixtures: seeded demo checkpoints, built once per test session and cached by args."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import pytest
+
+from engine.demo_model import Architecture, Size, write_demo_checkpoint
+
+DemoCkptFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def demo_ckpt_factory(tmp_path_factory: pytest.TempPathFactory) -> DemoCkptFactory:
+    """``demo_ckpt_factory(size="test", architecture="llama", dtype="float32", **kw) -> Path``.
+
+    Keyword args are those of ``write_demo_checkpoint``; equal args return the same directory,
+    so tests must treat it as read-only."""
+    cache: dict[str, Path] = {}
+
+    def build(
+        size: Size = "test",
+        architecture: Architecture = "llama",
+        dtype: Literal["float32", "bfloat16"] = "float32",
+        **kw: Any,
+    ) -> Path:
+        key = json.dumps({"size": size, "arch": architecture, "dtype": dtype, **kw}, sort_keys=True)
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"ckpt-{size}-{architecture}-{dtype}")
+            cache[key] = write_demo_checkpoint(
+                out,
+                size=size,
+                architecture=architecture,
+                dtype=dtype,
+                **kw,  # type: ignore[arg-type]
+            )
+        return cache[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def test_llama(demo_ckpt_factory: DemoCkptFactory) -> Path:
+    """hidden 64, 2 layers, 4 heads / 2 KV heads, vocab 2048, tied embeddings, float32."""
+    return demo_ckpt_factory("test", "llama")
+
+
+@pytest.fixture(scope="session")
+def test_qwen2(demo_ckpt_factory: DemoCkptFactory) -> Path:
+    """As ``test_llama`` with Qwen2's q/k/v bias and rope_theta 1e6."""
+    return demo_ckpt_factory("test", "qwen2")
+
+
+@pytest.fixture(scope="session")
+def test_mistral(demo_ckpt_factory: DemoCkptFactory) -> Path:
+    """As ``test_llama`` as a Mistral checkpoint (full attention; pass sliding_window= to the
+    factory for a windowed one)."""
+    return demo_ckpt_factory("test", "mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(demo_ckpt_factory: DemoCkptFactory) -> Path:
+    """hidden 256, 4 layers, 8 heads / 4 KV heads, vocab 8192, untied, float32."""
+    return demo_ckpt_factory("tiny", "llama")
+
+
+LLAMA3_STYLE_SPECIALS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+)
+LLAMA3_STYLE_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="session")
+def byte_level_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Llama-3-style tokenizer directory: byte-level BPE (GPT-2 byte alphabet, no byte
+    fallback), BOS/EOS as serialised AddedTokens, the chat template in chat_template.jinja."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    corpus = (Path(__file__).parents[1] / "engine" / "data" / "demo_corpus.txt").read_text()
+    lines = corpus.splitlines() + ["日本語のテキストです。", "Grüße aus Köln! 🙂 ça va?"]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=list(LLAMA3_STYLE_SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(lines, trainer=trainer)
+    bos = LLAMA3_STYLE_SPECIALS[0]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    out = tmp_path_factory.mktemp("byte-level-tokenizer")
+    tok.save(str(out / "tokenizer.json"))
+
+    def added(content: str) -> dict[str, Any]:
+        return {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
+                "single_word": False, "special": True}  # fmt: skip
+
+    config = {"bos_token": added(bos), "eos_token": added("<|end_of_text|>")}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    eot = tok.token_to_id("<|eot_id|>")
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot]}))
+    (out / "chat_template.jinja").write_text(LLAMA3_STYLE_TEMPLATE)
+    return out

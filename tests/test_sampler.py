@@ -1,0 +1,413 @@
+"""The sampler (seed §3, §8 [D01] [D02], appendix §A items 1–2): exact supports, processors,
+per-request RNG streams, snapshot/restore, and logprobs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+from engine.logits_processors import TokenHistory, process_logits
+from engine.request import Request
+from engine.sampler import (
+    MaskFn,
+    Sampler,
+    SamplingSnapshot,
+    SamplingState,
+    greedy_token,
+    min_p_filter,
+    min_p_mask,
+    request_seed,
+    temperature_probs,
+    top_k_filter,
+    top_k_mask,
+    top_p_filter,
+    top_p_mask,
+    typical_filter,
+    typical_mask,
+)
+from engine.sampling_params import SamplingParams
+
+
+def t(values: Sequence[float] | Sequence[Sequence[float]]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def support(q: torch.Tensor) -> set[int]:
+    return {i for i, v in enumerate(q.tolist()) if v > 0}
+
+
+def state(
+    params: SamplingParams,
+    prompt: Sequence[int] = (0,),
+    output: list[int] | None = None,
+    eos_token_ids: frozenset[int] = frozenset(),
+) -> SamplingState:
+    seed = params.seed if params.seed is not None else 0
+    history = [] if output is None else output
+    return SamplingState.create(params, prompt, history, seed=seed, eos_token_ids=eos_token_ids)
+
+
+def processed(logits: list[float], st: SamplingState) -> list[float]:
+    """Steps 1–2 alone on one row."""
+    raw = t(logits)[None]
+    z = raw.clone()
+    process_logits(z, raw, [st.params], [st.history], [st.eos_token_ids])
+    return z[0].tolist()
+
+
+# -- [D01] greedy and temperature --------------------------------------------------------------
+
+
+def test_greedy_lowest_index_wins_a_tie() -> None:
+    assert greedy_token(t([1.0, 3.0, 3.0, 2.0])) == 1
+    logits = t([[1.0, 3.0, 3.0, 2.0], [5.0, 0.0, 5.0, 5.0]])
+    states = [state(SamplingParams(temperature=0.0)) for _ in range(2)]
+    assert Sampler(4)(logits, states).token_ids == [1, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.0, -0.5])
+def test_temperature_probs_rejects_non_positive_t(temperature: float) -> None:
+    with pytest.raises(ValueError, match="T > 0"):
+        temperature_probs(t([1.0, 2.0]), temperature)
+
+
+def test_tiny_temperature_limit_one_hot_when_unique() -> None:
+    probs = temperature_probs(t([1.0, 2.5, 2.0, -1.0]), 1e-3)
+    assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
+
+
+def test_tiny_temperature_limit_splits_ties_evenly() -> None:
+    probs = temperature_probs(t([2.0, 0.0, 2.0, 2.0, 1.99]), 1e-5)
+    assert probs[[0, 2, 3]].tolist() == pytest.approx([1 / 3] * 3, abs=1e-6)
+    assert probs[[1, 4]].tolist() == [0.0, 0.0]
+    # Half as many tied maxima: each gets 1/2, not a proportional or one-sided split.
+    assert temperature_probs(t([3.0, 3.0, 0.0]), 1e-4).tolist() == [0.5, 0.5, 0.0]
+
+
+# -- [D01] truncation filters: exact supports --------------------------------------------------
+
+
+def test_top_k_support_size_is_exactly_k_with_id_tie_break() -> None:
+    probs = t([0.1, 0.2, 0.2, 0.2, 0.3])
+    assert support(top_k_filter(probs, 1)) == {4}
+    assert support(top_k_filter(probs, 2)) == {4, 1}
+    assert support(top_k_filter(probs, 3)) == {4, 1, 2}
+    assert support(top_k_filter(probs, 4)) == {4, 1, 2, 3}
+    assert top_k_filter(probs, 2).tolist() == pytest.approx([0, 0.4, 0, 0, 0.6])
+    with pytest.raises(ValueError, match="k >= 1"):
+        top_k_filter(probs, 0)
+
+
+def test_top_p_keeps_the_boundary_token() -> None:
+    p_ex = t([0.4, 0.3, 0.2, 0.1])
+    assert support(top_p_filter(p_ex, 0.65)) == {0, 1}  # cumulative 0.7 >= 0.65
+    assert support(top_p_filter(p_ex, 0.7)) == {0, 1}  # reaching p exactly is enough
+    assert support(top_p_filter(p_ex, 0.71)) == {0, 1, 2}
+    assert support(top_p_filter(p_ex, 0.3)) == {0}  # the first token alone crosses p
+    assert top_p_filter(p_ex, 0.65).tolist() == pytest.approx([4 / 7, 3 / 7, 0, 0])
+
+
+def test_min_p_keeps_the_max_and_grows_as_alpha_falls() -> None:
+    probs = t([0.05, 0.5, 0.2, 0.15, 0.1])
+    assert support(min_p_filter(probs, 1.0)) == {1}
+    assert support(min_p_filter(t([0.5, 0.25, 0.25]), 0.5)) == {0, 1, 2}  # p_i == alpha max
+    sizes = [len(support(min_p_filter(probs, a))) for a in (1.0, 0.5, 0.35, 0.25, 0.15, 0.05)]
+    assert sizes == [1, 1, 2, 3, 4, 5]
+
+
+def test_min_p_support_grows_with_temperature() -> None:
+    logits = t([3.0, 2.0, 1.0, 0.0, -1.0, -2.0])
+    sizes = [
+        len(support(min_p_filter(temperature_probs(logits, temp), 0.3)))
+        for temp in (0.2, 0.5, 1.0, 2.0, 5.0)
+    ]
+    assert sizes == sorted(sizes) and sizes[0] < sizes[-1]
+    assert sizes == [1, 1, 2, 3, 6]  # z_i >= z_max + T log 0.3, log 0.3 = -1.204
+
+
+def test_typical_excludes_the_most_probable_token() -> None:
+    probs = t([0.02, 0.35, 0.33, 0.30])
+    # H = 1.173; |-log p - H| = 2.74, 0.123, 0.064, 0.031: tokens 3 then 2 reach 0.63.
+    assert support(typical_filter(probs, 0.63)) == {2, 3}
+    assert support(typical_filter(probs, 0.64)) == {1, 2, 3}
+    assert typical_filter(probs, 0.63).tolist() == pytest.approx([0, 0, 0.33 / 0.63, 0.30 / 0.63])
+
+
+def test_shift_invariance_of_supports() -> None:
+    logits = t([1.5, -0.25, 3.0, 2.0, 0.5, 3.0])
+    for shift in (-40.0, 7.0, 100.0):
+        base, moved = temperature_probs(logits, 1.0), temperature_probs(logits + shift, 1.0)
+        assert support(top_k_filter(moved, 3)) == support(top_k_filter(base, 3))
+        assert support(top_p_filter(moved, 0.8)) == support(top_p_filter(base, 0.8))
+        assert support(min_p_filter(moved, 0.2)) == support(min_p_filter(base, 0.2))
+
+
+def test_d02_filter_order_does_not_commute() -> None:
+    probs = t([0.5, 0.25, 0.15, 0.1])
+    support_a = support(top_p_filter(top_k_filter(probs, 3), 0.8))  # 0.556 + 0.278 >= 0.8
+    support_b = support(top_k_filter(top_p_filter(probs, 0.8), 3))  # 0.5 + 0.25 + 0.15 >= 0.8
+    assert (support_a, support_b) == ({0, 1}, {0, 1, 2})
+
+
+def test_batched_masks_match_the_one_row_functions() -> None:
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(6, 50, generator=gen) * 2, dim=-1)
+    cases: list[tuple[MaskFn, Callable[[torch.Tensor, float], torch.Tensor], list[float]]] = [
+        (top_k_mask, lambda q, v: top_k_filter(q, int(v)), [1, 3, 7, 50, 12, 2]),
+        (top_p_mask, top_p_filter, [0.1, 0.5, 0.9, 1.0, 0.75, 0.3]),
+        (min_p_mask, min_p_filter, [0.0, 0.05, 0.3, 1.0, 0.1, 0.5]),
+        (typical_mask, typical_filter, [0.2, 0.5, 0.9, 1.0, 0.95, 0.6]),
+    ]
+    for mask, one_row, values in cases:
+        keep = mask(probs, values)
+        for row, value in enumerate(values):
+            kept = set(keep[row].nonzero().flatten().tolist())
+            assert support(one_row(probs[row], value)) == kept
+
+
+# -- steps 1–2: hard constraints and penalties --------------------------------------------------
+
+
+def test_repetition_penalty_is_sign_aware_over_prompt_and_output() -> None:
+    st = state(SamplingParams(repetition_penalty=2.0), prompt=[0, 3], output=[1])
+    assert processed([2.0, -2.0, 1.0, -1.0, 0.5], st) == [1.0, -4.0, 1.0, -2.0, 0.5]
+
+
+def test_frequency_and_presence_count_output_only() -> None:
+    params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
+    st = state(params, prompt=[0, 0, 3], output=[1, 1, 2, 1])
+    assert processed([1.0, 1.0, 1.0, 1.0], st) == [1.0, 1.0 - 1.5 - 0.25, 1.0 - 0.5 - 0.25, 1.0]
+
+
+def test_penalties_change_the_greedy_choice() -> None:
+    logits = t([[3.0, 2.9, 0.0]] * 2)
+    plain = state(SamplingParams(temperature=0.0), output=[0])
+    penalised = state(SamplingParams(temperature=0.0, presence_penalty=0.2), output=[0])
+    assert Sampler(3)(logits, [plain, penalised]).token_ids == [0, 1]
+
+
+def test_logit_bias_is_added() -> None:
+    st = state(SamplingParams(logit_bias={2: 5.0, 0: -1.5}))
+    assert processed([1.0, 2.0, 0.0], st) == [-0.5, 2.0, 5.0]
+
+
+def test_allowed_token_ids_mask_everything_else() -> None:
+    st = state(SamplingParams(allowed_token_ids=(1, 3)))
+    inf = -math.inf
+    assert processed([4.0, 1.0, 2.0, 0.5], st) == [inf, 1.0, inf, 0.5]
+    states = [state(SamplingParams(temperature=0.0, allowed_token_ids=(1, 3)))]
+    assert Sampler(4)(t([[4.0, 1.0, 2.0, 0.5]]), states).token_ids == [1]
+
+
+def test_bad_words_mask_only_the_completing_token() -> None:
+    output: list[int] = [7]
+    params = SamplingParams(bad_words_ids=((3, 4), (5,), (1, 2, 6)))
+    st = state(params, prompt=[3], output=output)
+    inf = -math.inf
+    # A prompt ending in 3 does not count: only the generated suffix completes a bad word.
+    assert processed([0.0] * 8, st) == [0.0, 0.0, 0.0, 0.0, 0.0, inf, 0.0, 0.0]
+    output.append(3)
+    assert processed([0.0] * 8, st) == [0.0, 0.0, 0.0, 0.0, inf, inf, 0.0, 0.0]
+    output[:] = [1, 2]
+    assert processed([0.0] * 8, st) == [0.0, 0.0, 0.0, 0.0, 0.0, inf, inf, 0.0]
+
+
+def naive_ngram_bans(tokens: list[int], n: int) -> set[int]:
+    """HF's no_repeat_ngram rule, recomputed from scratch."""
+    if len(tokens) + 1 < n:
+        return set()
+    prefix = tuple(tokens[len(tokens) - (n - 1) :]) if n > 1 else ()
+    grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
+    return {g[-1] for g in grams if g[:-1] == prefix}
+
+
+def test_no_repeat_ngram_matches_hf_rule_incrementally() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 3):
+        prompt = torch.randint(0, 4, (6,), generator=gen).tolist()
+        output: list[int] = []
+        hist = TokenHistory(prompt, output, ngram_size=n)
+        for _ in range(12):
+            assert hist.ngram_bans() == naive_ngram_bans(prompt + output, n)
+            output.append(int(torch.randint(0, 4, (), generator=gen)))
+        del output[3:]  # a rollback rebuilds the index
+        assert hist.ngram_bans() == naive_ngram_bans(prompt + output, n)
+    hist = TokenHistory([1, 2, 3, 1], [], ngram_size=2)
+    assert hist.ngram_bans() == {2}
+    st = state(SamplingParams(no_repeat_ngram_size=2), prompt=[1, 2, 3, 1])
+    assert processed([0.0] * 4, st) == [0.0, 0.0, -math.inf, 0.0]
+
+
+def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
+    output: list[int] = []
+    params = SamplingParams(min_tokens=2, max_tokens=8, stop_token_ids=(1,))
+    st = state(params, output=output, eos_token_ids=frozenset({0}))
+    inf = -math.inf
+    assert processed([0.0] * 3, st) == [inf, inf, 0.0]
+    output.append(2)
+    assert processed([0.0] * 3, st) == [inf, inf, 0.0]
+    output.append(2)
+    assert processed([0.0] * 3, st) == [0.0, 0.0, 0.0]
+    ignore = SamplingParams(min_tokens=2, max_tokens=8, stop_token_ids=(1,), ignore_eos=True)
+    assert processed([0.0] * 3, state(ignore, eos_token_ids=frozenset({0}))) == [0.0, inf, 0.0]
+
+
+def test_contradictory_constraints_fall_back_to_raw_logits() -> None:
+    params = SamplingParams(temperature=0.0, allowed_token_ids=(2,), bad_words_ids=((2,),))
+    out = Sampler(3)(t([[0.0, 1.0, 0.5]]), [state(params)])
+    assert out.token_ids == [1]
+
+
+# -- step 8: per-request RNG --------------------------------------------------------------------
+
+
+def run_steps(
+    sampler: Sampler, rows: list[torch.Tensor], states: list[SamplingState], steps: int
+) -> list[list[int]]:
+    """Sample ``steps`` tokens per state, appending each to the state's output list."""
+    logits = torch.stack(rows)
+    for _ in range(steps):
+        out = sampler(logits, states)
+        for st, tok in zip(states, out.token_ids, strict=True):
+            st.history.output.append(tok)  # type: ignore[attr-defined]
+    return [list(st.history.output) for st in states]
+
+
+def seeded_state() -> SamplingState:
+    params = SamplingParams(temperature=1.3, top_k=20, seed=1234, repetition_penalty=1.2)
+    return SamplingState.create(params, [5, 6], [], seed=1234)
+
+
+def test_seeded_request_draws_the_same_tokens_alone_or_batched() -> None:
+    gen = torch.Generator().manual_seed(9)
+    row = torch.randn(64, generator=gen)
+    others = [torch.randn(64, generator=gen) for _ in range(3)]
+    sampler = Sampler(64)
+    (alone,) = run_steps(sampler, [row], [seeded_state()], 12)
+    assert len(set(alone)) > 3  # genuinely random, not a constant
+
+    def other_states() -> list[SamplingState]:
+        return [
+            SamplingState.create(SamplingParams(temperature=0.0), [1], [], seed=0),
+            SamplingState.create(SamplingParams(top_p=0.5, seed=7), [1], [], seed=7),
+            SamplingState.create(SamplingParams(min_p=0.1, top_k=5), [1], [], seed=8),
+        ]
+
+    for position in (0, 2, 3):
+        states = other_states()
+        states.insert(position, seeded_state())
+        rows = list(others)
+        rows.insert(position, row)
+        assert run_steps(sampler, rows, states, 12)[position] == alone
+
+
+def test_snapshot_restore_continues_the_identical_stream() -> None:
+    row = torch.randn(32, generator=torch.Generator().manual_seed(4))
+    sampler = Sampler(32)
+    original = seeded_state()
+    run_steps(sampler, [row], [original], 5)
+    snap = original.snapshot()
+    expected = run_steps(sampler, [row], [original], 8)[0][5:]
+
+    wire = SamplingSnapshot(bytes(snap.rng_state), snap.num_output_tokens)
+    output = list(original.history.output[:5])
+    restored = SamplingState.restore(wire, original.params, [5, 6], output)
+    assert run_steps(sampler, [row], [restored], 8)[0][5:] == expected
+    with pytest.raises(ValueError, match="5 output tokens"):
+        SamplingState.restore(wire, original.params, [5, 6], output)
+
+
+def test_request_seed_derivation() -> None:
+    assert request_seed(42, "a", engine_seed=0) == 42
+    assert request_seed(None, "a", 0) == request_seed(None, "a", 0)
+    assert request_seed(None, "a", 0) != request_seed(None, "b", 0)
+    assert request_seed(None, "a", 0) != request_seed(None, "a", 1)
+    assert request_seed(42, "a", 0, sample_index=1) not in (42, request_seed(42, "a", 0, 2))
+    req = Request("r1", [1, 2], SamplingParams(seed=11), eos_token_ids=frozenset({2}))
+    st = SamplingState.for_request(req, engine_seed=0)
+    assert st.generator.initial_seed() == 11 and st.eos_token_ids == {2}
+    req.output_token_ids.append(9)
+    assert st.history.output == [9]  # the state reads the request's live output list
+
+
+def test_greedy_rows_do_not_consume_randomness() -> None:
+    st = state(SamplingParams(temperature=0.0))
+    before = st.generator.get_state().clone()
+    Sampler(4)(t([[0.0, 1.0, 2.0, 3.0]]), [st])
+    assert torch.equal(st.generator.get_state(), before)
+
+
+def test_draw_uses_inverse_cdf_of_the_filtered_distribution() -> None:
+    """The batched path equals the 1-D functions plus one uniform from the row's generator."""
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(4, 40, generator=gen) * 2
+    params = [
+        SamplingParams(temperature=0.7, top_k=10, top_p=0.8),
+        SamplingParams(temperature=1.5, min_p=0.2),
+        SamplingParams(temperature=1.0, typical_p=0.7, top_k=30),
+        SamplingParams(temperature=0.9),
+    ]
+    for step in range(10):
+        states = [
+            SamplingState.create(p, [0], [], seed=100 * step + i) for i, p in enumerate(params)
+        ]
+        got = Sampler(40)(logits, states).token_ids
+        for i, p in enumerate(params):
+            q = temperature_probs(logits[i], p.temperature)
+            q = top_k_filter(q, p.top_k) if p.top_k else q
+            q = top_p_filter(q, p.top_p)
+            q = min_p_filter(q, p.min_p)
+            q = typical_filter(q, p.typical_p)
+            u = torch.rand(
+                (), generator=torch.Generator().manual_seed(100 * step + i), dtype=torch.float64
+            )
+            cdf = q.cumsum(-1)
+            assert got[i] == int(torch.searchsorted(cdf, float(u) * cdf[-1], right=True))
+
+
+def test_empirical_frequencies_match_the_filtered_distribution() -> None:
+    logits = t([2.0, 1.0, 0.5, 1.5, -1.0, 0.0])
+    params = SamplingParams(temperature=0.8, top_k=4, top_p=0.95)
+    expected = top_p_filter(top_k_filter(temperature_probs(logits, 0.8), 4), 0.95)
+    assert support(expected) == {0, 1, 2, 3}
+    draws = 20_000
+    states = [SamplingState.create(params, [0], [], seed=i) for i in range(draws)]
+    tokens = Sampler(6)(logits.expand(draws, 6), states).token_ids
+    freq = torch.bincount(torch.tensor(tokens), minlength=6).double() / draws
+    assert freq[4] == 0 and freq[5] == 0
+    # 4.5 standard errors of the largest-variance bin (p ~ 0.4): sqrt(.24 / 20000) = 0.0035.
+    assert float((freq - expected.double()).abs().max()) < 0.016
+
+
+# -- logprobs ------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_of_the_raw_distribution() -> None:
+    logits = t([[1.0, 3.0, 2.0, 3.0, -1.0], [0.0, 1.0, 2.0, 3.0, 4.0]])
+    params = [
+        SamplingParams(temperature=0.0, logprobs=3, repetition_penalty=3.0),
+        SamplingParams(temperature=0.5, top_k=2, seed=3),
+    ]
+    states = [state(params[0], prompt=[1]), state(params[1])]
+    out = Sampler(5)(logits, states)
+    assert out.token_ids[0] == 3  # the penalty moved the greedy choice off token 1
+    raw = torch.log_softmax(logits[0], -1).tolist()
+    entry = out.logprobs[0]
+    assert entry is not None and out.logprobs[1] is None
+    assert entry.logprob == raw[3]
+    assert entry.top == [(1, raw[1]), (3, raw[3]), (2, raw[2])]  # tie 1 vs 3: lower id first
+    only_chosen = state(SamplingParams(temperature=0.0, logprobs=0))
+    entry = Sampler(5)(logits[1:], [only_chosen]).logprobs[0]
+    assert (
+        entry is not None
+        and entry.top == []
+        and entry.logprob == torch.log_softmax(logits[1], -1)[4].item()
+    )
+
+
+def test_shape_mismatch_is_rejected() -> None:
+    with pytest.raises(ValueError, match="logits shape"):
+        Sampler(4)(torch.zeros(2, 5), [state(SamplingParams()), state(SamplingParams())])

@@ -1,0 +1,160 @@
+"""The checkpoint tokenizer: demo (SentencePiece-style byte fallback) and Llama-3-style files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.demo_model import BYTE_TOKENS, CHAT_TEMPLATE, SPECIAL_TOKENS
+from engine.tokenizer import Tokenizer
+
+SETTINGS = settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+# Any text without "<", which could spell a special token ("<s>") that encode maps to its id.
+TEXT = st.text(
+    alphabet=st.characters(exclude_characters="<", exclude_categories=["Cs"]), max_size=30
+)
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi there"},
+]
+
+
+@pytest.fixture(scope="module")
+def demo_tok(test_llama: Path) -> Tokenizer:
+    return Tokenizer(test_llama)
+
+
+@pytest.fixture(scope="module")
+def bl_tok(byte_level_tokenizer_dir: Path) -> Tokenizer:
+    return Tokenizer(byte_level_tokenizer_dir)
+
+
+def test_demo_ids_and_vocab_size_match_the_model(demo_tok: Tokenizer, test_llama: Path) -> None:
+    config = json.loads((test_llama / "config.json").read_text())
+    assert demo_tok.vocab_size == config["vocab_size"] == 2048
+    # Every id decodes to a vocabulary string: a random model may sample any of them.
+    tokens = demo_tok.convert_ids_to_tokens(range(demo_tok.vocab_size))
+    assert None not in tokens and len(set(tokens)) == 2048
+    assert tokens[:7] == list(SPECIAL_TOKENS) and tokens[7:263] == list(BYTE_TOKENS)
+    assert demo_tok.special_token_ids == frozenset(range(7))
+    assert demo_tok.byte_token_ids == frozenset(range(7, 263))
+    assert demo_tok.bos_token_id == 1
+    assert demo_tok.eos_token_ids == frozenset({2, 6})  # </s> and <|end|>
+
+
+def test_demo_encode_words_bytes_and_bos(demo_tok: Tokenizer) -> None:
+    ids = demo_tok.encode("the server 日")
+    assert demo_tok.convert_ids_to_tokens(ids) == [
+        "<s>", "▁the", "▁server", "▁", "<0xE6>", "<0x97>", "<0xA5>"
+    ]  # fmt: skip
+    assert demo_tok.encode("the server 日", add_special_tokens=False) == ids[1:]
+    assert demo_tok.decode(ids) == "the server 日"
+    assert demo_tok.decode(ids, skip_special_tokens=False) == "<s> the server 日"
+
+
+@SETTINGS
+@given(text=TEXT)
+def test_demo_roundtrip(demo_tok: Tokenizer, text: str) -> None:
+    ids = demo_tok.encode(text)
+    # Characters outside the vocabulary survive through byte fallback. Metaspace adds a "▁" to
+    # text that lacks one and the decoder strips one space, so a single leading space is lost
+    # (as with the Llama / Mistral Metaspace tokenizers).
+    assert demo_tok.decode(ids) == (text[1:] if text.startswith(" ") else text)
+    assert 0 not in ids  # never <unk>
+
+
+@SETTINGS
+@given(text=TEXT)
+def test_byte_level_roundtrip(bl_tok: Tokenizer, text: str) -> None:
+    assert bl_tok.decode(bl_tok.encode(text)) == text
+
+
+def test_byte_level_special_ids(bl_tok: Tokenizer) -> None:
+    ids = {t: bl_tok.token_to_id(t) for t in ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")}
+    assert bl_tok.bos_token_id == ids["<|begin_of_text|>"]
+    # generation_config's list and tokenizer_config's (serialised AddedToken) eos together.
+    assert bl_tok.eos_token_ids == frozenset({ids["<|end_of_text|>"], ids["<|eot_id|>"]})
+    assert bl_tok.byte_token_ids == frozenset()  # a byte-level BPE has no byte-fallback tokens
+    assert bl_tok.special_token_ids == frozenset(range(5))
+    assert bl_tok.encode("hi")[0] == ids["<|begin_of_text|>"]
+
+
+def test_demo_chat_template(demo_tok: Tokenizer) -> None:
+    assert demo_tok.chat_template == CHAT_TEMPLATE
+    text = demo_tok.apply_chat_template(CHAT)
+    assert text == "<|system|>\nBe brief.<|end|>\n<|user|>\nHi there<|end|>\n<|assistant|>\n"
+    no_prompt = demo_tok.apply_chat_template(CHAT, add_generation_prompt=False)
+    assert no_prompt == "<|system|>\nBe brief.<|end|>\n<|user|>\nHi there<|end|>\n"
+    ids = demo_tok.encode_chat(CHAT)
+    assert ids[0] == demo_tok.bos_token_id and ids.count(demo_tok.bos_token_id) == 1
+    assert ids[1] == demo_tok.token_to_id("<|system|>")
+    assert ids[-2:] == [demo_tok.token_to_id("<|assistant|>"), demo_tok.token_to_id("<0x0A>")]
+    assert demo_tok.decode(ids, skip_special_tokens=False) == "<s>" + text
+
+
+def test_byte_level_template_writes_its_own_bos(bl_tok: Tokenizer) -> None:
+    text = bl_tok.apply_chat_template(CHAT[1:])
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nHi there<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n"
+    )
+    ids, bos = bl_tok.encode_chat(CHAT[1:]), bl_tok.bos_token_id
+    assert bos is not None and ids.count(bos) == 1 and ids[0] == bos
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "robot", "content": "beep"}],  # the template's raise_exception
+        [{"content": "no role"}],
+        "just a string",
+    ],
+)
+def test_bad_messages_are_value_errors(demo_tok: Tokenizer, messages: object) -> None:
+    with pytest.raises(ValueError):
+        demo_tok.apply_chat_template(messages)  # type: ignore[arg-type]
+
+
+def test_template_errors_are_value_errors(test_llama: Path, tmp_path: Path) -> None:
+    for name in ("tokenizer.json", "generation_config.json"):
+        shutil.copy(test_llama / name, tmp_path / name)
+    config = json.loads((test_llama / "tokenizer_config.json").read_text())
+
+    config["chat_template"] = "{% for m in messages %}{{ m.content }"  # unclosed tag
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="chat template failed"):
+        Tokenizer(tmp_path).apply_chat_template(CHAT)
+
+    # The sandbox refuses attribute access to Python internals.
+    config["chat_template"] = "{{ messages.__class__.__mro__ }}"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="chat template failed"):
+        Tokenizer(tmp_path).apply_chat_template(CHAT)
+
+    del config["chat_template"]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="no chat_template"):
+        Tokenizer(tmp_path).apply_chat_template(CHAT)
+
+
+def test_invalid_unicode_is_a_value_error(demo_tok: Tokenizer) -> None:
+    with pytest.raises(ValueError, match="lone surrogate"):
+        demo_tok.encode("ok \ud800")
+
+
+def test_missing_tokenizer_json_names_the_path(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "tokenizer.json")):
+        Tokenizer(tmp_path)
+
+
+def test_ids_outside_the_vocabulary_decode_to_nothing(demo_tok: Tokenizer) -> None:
+    ids = demo_tok.encode("the", add_special_tokens=False)
+    assert demo_tok.decode([*ids, demo_tok.vocab_size, 10**6]) == "the"
+    assert demo_tok.convert_ids_to_tokens([demo_tok.vocab_size]) == [None]
