@@ -1,0 +1,32 @@
+# Tandem quick start:   make run    (generate with the built-in demo model)
+#                       make test   (the whole test suite, with lint and type checks)
+VENV := .venv
+STAMP := $(VENV)/.installed
+DEMO := .tandem/demo-tiny
+PROMPT ?= The quick brown fox
+
+.PHONY: setup run test lint pytest bench clean
+
+$(STAMP): pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+
+setup: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/tandem generate --prompt "$(PROMPT)" --max-tokens 32
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+pytest: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+test: lint pytest
+
+bench: $(STAMP)
+	$(VENV)/bin/python -m bench.engine_bench
+
+clean:
+	rm -rf $(VENV) .tandem .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,283 @@
+"""Engine benchmark (issue: engine core): Tandem vs transformers ``generate`` side by side.
+
+Workload per model (bf16): N requests x P prompt tokens -> O output tokens, greedy, ignore_eos.
+Prints a table, writes JSON and a PNG plot under ``bench/results/``.
+
+    .venv/bin/python -m bench.engine_bench [--sizes small tiny] [--requests 64]
+
+Figures: output tokens/s of Tandem (continuous batching over all N requests) vs transformers
+at batch N (left padded) and at batch 1; decode step time at batch 1/32/64 against this
+machine's roofline (weight bytes / measured copy bandwidth, FLOPs / measured bf16 matmul rate);
+cold start of ``tandem generate`` (process start to first token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def ensure_model(size: str) -> Path:
+    from engine.cli import ensure_demo_model
+
+    return ensure_demo_model(size)
+
+
+def prompts_for(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Ids from the middle of the vocabulary: no special tokens at the front.
+    return [torch.randint(16, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def tandem_throughput(engine: LLMEngine, prompts: list[list[int]], out_len: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True)
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    n = sum(len(c.token_ids) for r in results for c in r)
+    assert n == len(prompts) * out_len, n
+    return n / dt
+
+
+def hf_throughput(model, prompts: list[list[int]], out_len: int, pad_id: int) -> float:
+    batch = len(prompts)
+    length = max(len(p) for p in prompts)
+    ids = torch.full((batch, length), pad_id, dtype=torch.long)
+    mask = torch.zeros((batch, length), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left padding
+        ids[i, length - len(p) :] = torch.tensor(p)
+        mask[i, length - len(p) :] = 1
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=out_len,
+            min_new_tokens=out_len,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    dt = time.perf_counter() - t0
+    return (out.shape[1] - length) * batch / dt
+
+
+def decode_step_time(engine: LLMEngine, batch: int, ctx: int, vocab: int, steps: int = 8) -> float:
+    """Mean wall time of a pure-decode step with `batch` sequences at context ~ctx."""
+    prompts = prompts_for(batch, ctx, vocab, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    # Run until every sequence is decoding (all prefills done), then time decode steps.
+    while any(
+        s.request.num_computed_tokens < s.request.num_prompt_tokens for s in engine._seqs.values()
+    ):
+        engine.step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    while engine.has_unfinished():
+        engine.step()
+    engine.finished_outputs()
+    return sorted(times)[len(times) // 2]
+
+
+def machine_rates() -> dict[str, float]:
+    """Measured copy bandwidth (bytes/s) and bf16 matmul rate (FLOP/s) of this machine."""
+    x = torch.empty(256 * 2**20, dtype=torch.uint8)
+    x.fill_(1)
+    y = torch.empty_like(x)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        y.copy_(x)
+        best = min(best, time.perf_counter() - t0)
+    copy_bw = 2 * x.numel() / best  # read + write
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    a @ b
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": 2 * 2048**3 / best}
+
+
+def roofline_step(engine: LLMEngine, batch: int, ctx: int, rates: dict[str, float]) -> float:
+    """Lower bound of a decode step: max(bytes moved / bandwidth, FLOPs / matmul rate)."""
+    mc = engine.model_config
+    h, q, kv = (
+        mc.hidden_size,
+        mc.num_attention_heads * mc.head_dim,
+        mc.num_key_value_heads * mc.head_dim,
+    )
+    # Weights a decode step reads: every layer's projections and MLP, plus the LM head.
+    params = mc.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * mc.intermediate_size)
+    params += mc.vocab_size * h
+    weight_bytes = params * torch.tensor([], dtype=mc.dtype).element_size()
+    kv_bytes = batch * ctx * mc.kv_bytes_per_token
+    flops = (
+        2 * params * batch
+        + 4 * batch * ctx * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim
+    )
+    return max(
+        (weight_bytes + kv_bytes) / rates["copy_bytes_per_s"], flops / rates["bf16_flops_per_s"]
+    )
+
+
+def cold_start(model: Path) -> float:
+    """Seconds from launching `tandem generate` to its first token (from its --json output)."""
+    exe = Path(sys.executable).with_name("tandem")
+    t0 = time.time()
+    out = subprocess.run(
+        [
+            str(exe),
+            "generate",
+            "--model",
+            str(model),
+            "--prompt",
+            "Hello there",
+            "--max-tokens",
+            "4",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "TANDEM_T0": repr(t0)},
+    )
+    data = json.loads(out.stdout)
+    return float(data["first_token_at"]) - t0
+
+
+def bench_size(size: str, n: int, plen: int, olen: int, rates: dict[str, float]) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model_dir = ensure_model(size)
+    log(f"{size}: loading Tandem engine")
+    engine = LLMEngine.from_checkpoint(
+        model_dir,
+        EngineConfig(
+            dtype="bfloat16",
+            kv_cache_bytes=1024 * 2**20,
+            max_num_seqs=n,
+            max_num_batched_tokens=4096,
+        ),
+    )
+    vocab = engine.model_config.vocab_size
+    prompts = prompts_for(n, plen, vocab)
+    tandem_throughput(engine, prompts[:4], 4)  # warm-up
+    log(f"{size}: Tandem batch {n}")
+    t_batch = tandem_throughput(engine, prompts, olen)
+    log(f"{size}: Tandem batch 1")
+    t_one = tandem_throughput(engine, prompts[:1], olen)
+    log(f"{size}: transformers")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    pad = min(engine.tokenizer.eos_token_ids, default=0)
+    hf_throughput(hf, prompts[:2], 4, pad)  # warm-up
+    h_batch = hf_throughput(hf, prompts, olen, pad)
+    h_one = hf_throughput(hf, prompts[:1], olen, pad)
+    del hf
+    steps = {}
+    for b in (1, 32, 64):
+        log(f"{size}: decode step at batch {b}")
+        measured = decode_step_time(engine, b, plen + olen // 2, vocab)
+        bound = roofline_step(engine, b, plen + olen // 2, rates)
+        steps[b] = {"step_s": measured, "roofline_s": bound, "ratio": measured / bound}
+    return {
+        "size": size,
+        "tandem_tok_s_batch": t_batch,
+        "hf_tok_s_batch": h_batch,
+        "speedup_batch": t_batch / h_batch,
+        "tandem_tok_s_1": t_one,
+        "hf_tok_s_1": h_one,
+        "speedup_1": t_one / h_one,
+        "decode_steps": steps,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", nargs="+", default=["small", "tiny"])
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--no-cold-start", action="store_true")
+    a = ap.parse_args()
+    rates = machine_rates()
+    log(
+        f"copy {rates['copy_bytes_per_s'] / 1e9:.1f} GB/s, bf16 matmul {rates['bf16_flops_per_s'] / 1e12:.2f} TFLOP/s"
+    )
+    rows = [bench_size(s, a.requests, a.prompt_len, a.output_len, rates) for s in a.sizes]
+    result: dict = {"machine": rates, "workload": vars(a), "models": rows}
+    if not a.no_cold_start and "small" in a.sizes:
+        log("cold start of `tandem generate` on small")
+        result["cold_start_small_s"] = cold_start(ensure_model("small"))
+    print(
+        f"\n{'model':<6} {'tandem tok/s':>13} {'hf tok/s':>10} {'x':>6} | {'tandem b1':>9} {'hf b1':>7} {'x':>6}"
+    )
+    for r in rows:
+        print(
+            f"{r['size']:<6} {r['tandem_tok_s_batch']:>13.1f} {r['hf_tok_s_batch']:>10.1f} {r['speedup_batch']:>6.2f} | "
+            f"{r['tandem_tok_s_1']:>9.1f} {r['hf_tok_s_1']:>7.1f} {r['speedup_1']:>6.2f}"
+        )
+    print(f"\n{'model':<6} {'batch':>5} {'step ms':>8} {'roofline ms':>12} {'ratio':>6}")
+    for r in rows:
+        for b, s in r["decode_steps"].items():
+            print(
+                f"{r['size']:<6} {b:>5} {s['step_s'] * 1e3:>8.2f} {s['roofline_s'] * 1e3:>12.2f} {s['ratio']:>6.2f}"
+            )
+    if "cold_start_small_s" in result:
+        print(f"\ncold start (tandem generate, small): {result['cold_start_small_s']:.2f} s")
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "engine_bench.json").write_text(json.dumps(result, indent=2))
+    plot(rows, RESULTS / "engine_bench.png")
+    log(f"wrote {RESULTS / 'engine_bench.json'} and engine_bench.png")
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 2, figsize=(10, 4))
+    labels = [r["size"] for r in rows]
+    xs = range(len(rows))
+    ax[0].bar([x - 0.2 for x in xs], [r["tandem_tok_s_batch"] for r in rows], 0.4, label="Tandem")
+    ax[0].bar([x + 0.2 for x in xs], [r["hf_tok_s_batch"] for r in rows], 0.4, label="transformers")
+    ax[0].set_xticks(list(xs), labels)
+    ax[0].set_ylabel("output tokens/s (batch)")
+    ax[0].legend()
+    for r in rows:
+        bs = list(r["decode_steps"])
+        ax[1].plot(bs, [r["decode_steps"][b]["ratio"] for b in bs], marker="o", label=r["size"])
+    ax[1].axhline(2.0, ls="--", c="grey")
+    ax[1].set_xlabel("decode batch")
+    ax[1].set_ylabel("step time / roofline")
+    ax[1].legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Phase-2 admission (seed §1.2, §5.5): hard limits and KV reservations, accounting only.
+
+A reservation is the KV a request may grow into without forcing a preemption; no physical
+block moves until a scheduler tick picks the request. The scheduler owns the requests and
+their queues; this module owns the two admission rules: may it ever run, and how much it
+reserves.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class AdmissionResult:
+    """Phase-2 admission outcome: QUEUED, DEGRADED or REJECTED, and why when not plain QUEUED."""
+
+    status: RequestStatus
+    reason: str | None = None
+
+
+class Admission:
+    """Hard limits and reservations of one scheduler."""
+
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self._holders: set[str] = set()  # ids holding a reservation
+
+    def hard_limit(self, req: Request) -> str | None:
+        """Why ``req`` can never run here (the reason names the limit), or None."""
+        n = req.num_prompt_tokens
+        if n > self.max_model_len:
+            return f"prompt has {n} tokens, more than max_model_len={self.max_model_len}"
+        need = self.kv.blocks_for(n)
+        if need > self.kv.pool.num_blocks:
+            return f"prompt needs {need} KV blocks but the pool has only {self.kv.pool.num_blocks}"
+        whole = min(n + req.sampling_params.max_tokens, self.max_model_len)
+        budget = self.config.max_num_batched_tokens
+        if not self.config.enable_chunked_prefill and whole > budget:
+            # Without chunking a (re)computed sequence must fit one step's token budget.
+            return (
+                f"sequence may reach {whole} tokens but max_num_batched_tokens={budget} "
+                "and chunked prefill is off"
+            )
+        return None
+
+    def target_tokens(self, req: Request) -> int:
+        """Tokens to reserve: prompt + predicted output, at least one more token than now."""
+        out = self.config.admission_output_tokens
+        predicted = req.sampling_params.max_tokens if out is None else out
+        pool_tokens = self.kv.pool.num_blocks * self.kv.block_size
+        wanted = max(req.num_prompt_tokens + predicted, req.num_tokens + 1)
+        return min(wanted, self.max_model_len, pool_tokens)
+
+    def no_fit(self, req: Request) -> str:
+        return (
+            f"KV reservation of {self.target_tokens(req)} tokens does not fit "
+            f"({self.kv.reservable_tokens()} tokens reservable)"
+        )
+
+    def reserve(self, req: Request) -> int | None:
+        """Reserve KV for ``req``; returns the tokens reserved, or None if nothing fits.
+
+        The degrade policy settles for the largest reservation that fits, >= prompt + 1,
+        and marks a QUEUED request DEGRADED.
+        """
+        rid = req.request_id
+        target = self.target_tokens(req)
+        reserved: int | None = target if self.kv.reserve(rid, target) else None
+        if reserved is None and self.config.admission_policy == "degrade":
+            fit = min(self.kv.reservable_tokens(), target)
+            if fit >= min(req.num_tokens + 1, target) and self.kv.reserve(rid, fit):
+                reserved = fit
+                if req.status is RequestStatus.QUEUED:
+                    req.transition(RequestStatus.DEGRADED)
+        if reserved is not None:
+            self._holders.add(rid)
+        return reserved
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self._holders
+
+    def forget(self, request_id: str) -> None:
+        """``kv.free`` dropped the request's reservation (reclaim, recompute preemption)."""
+        self._holders.discard(request_id)

@@ -1,0 +1,299 @@
+"""LLMEngine: scheduler + model runner + sampler + detokenizer, driven one tick at a time.
+
+This is the offline API (``generate``) and the synchronous core that the async interface and the
+workers drive (``add_request`` / ``step`` / ``abort``). It is not thread-safe: one thread steps it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine import metrics
+from engine.config import EngineConfig, ModelConfig
+from engine.detokenizer import TextStream
+from engine.kv_cache_manager import KVCacheManager
+from engine.loader import load_checkpoint
+from engine.model_runner import ModelRunner
+from engine.request import FinishReason, Request, RequestStatus, TerminalRecord
+from engine.sampler import Sampler, SamplingState, TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.tokenizer import Tokenizer
+
+
+class RequestRejected(RuntimeError):
+    """Phase-2 admission refused the request (the message says which limit)."""
+
+
+@dataclass
+class StreamOutput:
+    """What one step produced for one sequence: new tokens, the text now safe to emit."""
+
+    request_id: str
+    index: int  # which of the n samples
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None  # the OpenAI finish_reason once finished
+    logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """A finished sequence, as ``generate`` returns it."""
+
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    record: TerminalRecord
+    logprobs: list[TokenLogprobs] | None
+    timing: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Sequence:
+    """Engine-side companions of one scheduled sequence."""
+
+    request: Request
+    index: int
+    sampling: SamplingState
+    detok: TextStream
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class LLMEngine:
+    """One model on one device. See README for the step picture."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        model_id: str,
+    ) -> None:
+        self.config = config
+        self.model_config: ModelConfig = runner.model_config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.max_model_len = min(
+            config.max_model_len or self.model_config.max_position_embeddings,
+            self.model_config.max_position_embeddings,
+        )
+        self.kv = KVCacheManager(
+            runner.num_blocks,
+            config.block_size,
+            num_host_blocks=runner.num_host_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            model_id=model_id,
+        )
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len)
+        self.sampler = Sampler(self.model_config.vocab_size)
+        self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | tokenizer.eos_token_ids
+        self._seqs: dict[str, _Sequence] = {}
+        self._finished: list[CompletionOutput] = []
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
+        """Load a local HF checkpoint dir (weights, tokenizer) and size the KV cache."""
+        config = config or EngineConfig()
+        device = config.resolve_device()
+        ckpt = load_checkpoint(path, dtype=config.dtype, device=device)
+        tokenizer = Tokenizer(path)
+        runner = ModelRunner(ckpt, config, device)
+        return cls(runner, tokenizer, config, model_id=str(Path(path).resolve()))
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        cache_salt: str = "",
+    ) -> str:
+        """Tokenise, validate and admit one request. Raises RequestRejected or ValueError."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not token_ids:
+            raise ValueError("empty prompt")
+        params.validate_vocab(self.model_config.vocab_size)
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token id outside the vocabulary (size {vocab})")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if rid in self._seqs:
+            raise ValueError(f"duplicate request id {rid!r}")
+        req = Request(
+            request_id=rid,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            arrival_time=arrival_time if arrival_time is not None else time.time(),
+            priority=priority,
+            deadline=deadline,
+            cache_salt=cache_salt,
+            eos_token_ids=self.eos_token_ids,
+        )
+        result = self.scheduler.add_request(req)
+        if result.status == RequestStatus.REJECTED:
+            raise RequestRejected(f"request {rid}: {result.reason}")
+        self._track(req, index=0)
+        return rid
+
+    def _track(self, req: Request, index: int) -> None:
+        self._seqs[req.request_id] = _Sequence(
+            request=req,
+            index=index,
+            sampling=SamplingState.for_request(req, self.config.seed, sample_index=index),
+            detok=TextStream(
+                self.tokenizer,
+                req.sampling_params.stop,
+                req.sampling_params.include_stop_str_in_output,
+            ),
+        )
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request (client went away); its KV is reclaimed at the next tick."""
+        if request_id in self._seqs:
+            self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._seqs)
+
+    # -- the tick -----------------------------------------------------------------------------
+
+    def step(self) -> list[StreamOutput]:
+        """Schedule, run the forward, sample, detokenise; returns this step's deltas."""
+        out = self.scheduler.schedule()
+        outputs: list[StreamOutput] = []
+        if out.chunks:
+            logits = self.runner.execute(out)
+            sampled = self._sample(out.sampled_ids, logits)
+            for req in self.scheduler.update_from_output(out, sampled):
+                outputs.append(self._emit(req))
+        # Requests that ended without a token this step (abort, deadline, stop-string cut).
+        for rid in [r for r, s in self._seqs.items() if s.request.is_finished]:
+            outputs.append(self._finish(rid))
+        return [o for o in outputs if o.token_ids or o.text or o.finished]
+
+    def _sample(self, row_ids: list[str], logits: torch.Tensor) -> dict[str, int]:
+        rows: list[int] = []
+        states: list[SamplingState] = []
+        ids: list[str] = []
+        for row, rid in enumerate(row_ids):
+            seq = self._seqs[rid]
+            req = seq.request
+            if req.sampling_params.n > 1 and seq.index == 0 and not req.output_token_ids:
+                # n > 1: the prompt was prefilled once; fork the samples now (they share its
+                # blocks, copy-on-write on the partial tail) and draw each from this row.
+                for i, child in enumerate(self.scheduler.fork(rid, req.sampling_params.n - 1), 1):
+                    self._track(child, index=i)
+                    rows.append(row)
+                    states.append(self._seqs[child.request_id].sampling)
+                    ids.append(child.request_id)
+            rows.append(row)
+            states.append(seq.sampling)
+            ids.append(rid)
+        if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.sampler(logits, states)
+        for rid, lp in zip(ids, result.logprobs, strict=True):
+            if lp is not None:
+                self._seqs[rid].logprobs.append(lp)
+        return dict(zip(ids, result.token_ids, strict=True))
+
+    def _emit(self, req: Request) -> StreamOutput:
+        seq = self._seqs[req.request_id]
+        token = req.output_token_ids[-1]
+        now = time.time()
+        if req.times.first_token is None:
+            req.times.first_token = now
+        delta = seq.detok.step(token)
+        if delta.stop_matched is not None and not req.is_finished:
+            self.scheduler.finish_request(req.request_id, FinishReason.STOP_STRING)
+        self._record_emits(seq, seq.detok.num_emitted, now)
+        seq.text += delta.text
+        lp = seq.logprobs[-1:] if req.sampling_params.logprobs is not None else None
+        return StreamOutput(req.request_id, seq.index, [token], delta.text, logprobs=lp)
+
+    def _record_emits(self, seq: _Sequence, num_emitted: int, now: float) -> None:
+        """One emit stamp per token whose text reached the client (seed §2.1)."""
+        req = seq.request
+        while req.num_emitted < num_emitted:
+            req.times.emits.append(now)
+            req.num_emitted += 1
+
+    def _finish(self, rid: str) -> StreamOutput:
+        seq = self._seqs.pop(rid)
+        req = seq.request
+        now = time.time()
+        tail = seq.detok.finish() if req.status == RequestStatus.FINISHED else ""
+        self._record_emits(seq, seq.detok.num_emitted, now)
+        seq.text += tail
+        record = self.scheduler.reclaim(rid)
+        record = record or req.record
+        assert record is not None, f"{rid}: terminal without a record"
+        reason = req.finish_reason.openai if req.finish_reason else "error"
+        self._finished.append(
+            CompletionOutput(
+                request_id=rid,
+                index=seq.index,
+                prompt_token_ids=req.prompt_token_ids,
+                token_ids=list(req.output_token_ids[: seq.detok.num_committed]),
+                text=seq.text,
+                finish_reason=reason,
+                record=record,
+                logprobs=seq.logprobs if req.sampling_params.logprobs is not None else None,
+                timing={
+                    "ttft_s": metrics.ttft(req.times),
+                    "tpot_s": metrics.tpot(req.times),
+                    "e2e_s": metrics.e2e(req.times),
+                    "itl_s": metrics.itls(req.times),
+                },
+            )
+        )
+        return StreamOutput(rid, seq.index, [], tail, finished=True, finish_reason=reason)
+
+    # -- offline API ---------------------------------------------------------------------------
+
+    def finished_outputs(self) -> list[CompletionOutput]:
+        """Take the outputs of sequences finished since the last call."""
+        done, self._finished = self._finished, []
+        return done
+
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+    ) -> list[list[CompletionOutput]]:
+        """Batch-generate; returns, per prompt, its n completions ordered by index."""
+        plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        while self.has_unfinished():
+            self.step()
+        by_parent: dict[str, list[CompletionOutput]] = {rid: [] for rid in ids}
+        for c in self.finished_outputs():
+            by_parent[c.request_id.split("#")[0]].append(c)
+        return [sorted(by_parent[rid], key=lambda c: c.index) for rid in ids]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[StreamOutput]:
+        """Generate for one prompt, yielding deltas as they are produced."""
+        rid = self.add_request(prompt, params)
+        while self.has_unfinished():
+            for o in self.step():
+                if o.request_id.split("#")[0] == rid:
+                    yield o

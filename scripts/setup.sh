@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create .venv and install Tandem into it. Needs only Python >= 3.11 and make on the machine.
+# Without an NVIDIA GPU the CPU wheel of torch is pinned first, so no multi-GB CUDA build is
+# pulled in by the project's `torch` requirement.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+  for cand in python3.11 python3.12 python3.13 python3; do
+    if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+      PY=$cand; break
+    fi
+  done
+fi
+[ -n "$PY" ] || { echo "setup: Python >= 3.11 not found" >&2; exit 1; }
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  echo "setup: NVIDIA GPU found: installing the CUDA build of torch"
+  "${PIP[@]}" "torch>=2.13,<2.15"
+else
+  echo "setup: no GPU: installing the CPU build torch==2.13.0"
+  "${PIP[@]}" "torch==2.13.0"
+fi
+"${PIP[@]}" -e ".[dev]"
+touch .venv/.installed
+echo "setup: done (.venv/bin/tandem)"

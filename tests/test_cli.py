@@ -1,0 +1,82 @@
+"""The ``tandem`` console script, run as a user runs it (a subprocess of the installed script)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+TANDEM = str(Path(sys.executable).with_name("tandem"))
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([TANDEM, *args], capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_demo_model_then_generate_json(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    r = run("demo-model", "--size", "test", "--dtype", "float32", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
+    r = run(
+        "generate",
+        "--model",
+        str(out),
+        "--prompt",
+        "Hello world",
+        "--max-tokens",
+        "8",
+        "--ignore-eos",
+        "--json",
+    )
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    [o] = doc["outputs"]
+    assert o["finish_reason"] == "length" and len(o["token_ids"]) == 8
+    assert doc["cold_start_s"] > 0 and o["timing"]["ttft_s"] > 0
+    # Same ids as the offline API in this process.
+    engine = LLMEngine.from_checkpoint(out, EngineConfig())
+    [[ref]] = engine.generate(
+        ["Hello world"], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    )
+    assert o["token_ids"] == ref.token_ids
+    assert o["text"] == ref.text
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--top-p", "0"], "top_p=0.0"),
+        (["--temperature", "-1"], "temperature=-1.0"),
+        (["--max-tokens", "0"], "max_tokens=0"),
+    ],
+)
+def test_bad_sampling_flags_are_clear_errors(
+    test_llama: Path, args: list[str], needle: str
+) -> None:
+    r = run("generate", "--model", str(test_llama), "--prompt", "hi", *args)
+    assert r.returncode == 2
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_missing_and_unsupported_checkpoints(tmp_path: Path, test_llama: Path) -> None:
+    r = run("generate", "--model", str(tmp_path / "nope"), "--prompt", "hi")
+    assert r.returncode == 2 and "config.json" in r.stderr and "Traceback" not in r.stderr
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    for f in test_llama.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = run("generate", "--model", str(bad), "--prompt", "hi")
+    assert r.returncode == 2 and "GPT2LMHeadModel" in r.stderr and "LlamaForCausalLM" in r.stderr
