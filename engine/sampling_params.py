@@ -54,7 +54,9 @@ class SamplingParams:
         object.__setattr__(self, "bad_words_ids", tuple(tuple(w) for w in self.bad_words_ids))
         if self.allowed_token_ids is not None:
             object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
-        object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        object.__setattr__(
+            self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()}
+        )
         self._validate()
 
     def _validate(self) -> None:
@@ -107,6 +109,10 @@ class SamplingParams:
         ids += [t for w in self.bad_words_ids for t in w]
         for tid in ids:
             if tid >= vocab_size:
-                raise InvalidSamplingParams(f"token id {tid} is outside the vocabulary (size {vocab_size})")
+                raise InvalidSamplingParams(
+                    f"token id {tid} is outside the vocabulary (size {vocab_size})"
+                )
         if self.top_k > vocab_size:
-            raise InvalidSamplingParams(f"top_k={self.top_k}: larger than the vocabulary ({vocab_size})")
+            raise InvalidSamplingParams(
+                f"top_k={self.top_k}: larger than the vocabulary ({vocab_size})"
+            )
