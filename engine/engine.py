@@ -171,6 +171,13 @@ class LLMEngine:
         if request_id in self._seqs:
             self.scheduler.abort(request_id)
 
+    def fail_all(self, error: str) -> list[StreamOutput]:
+        """Worker failure or shutdown (seed §1.7): every live sequence ends FAILED, through the
+        one reclaim routine, without running the model again."""
+        for rid in list(self._seqs):
+            self.scheduler.finish_request(rid, FinishReason.ERROR, error=error)
+        return [self._finish(rid) for rid in list(self._seqs)]
+
     def has_unfinished(self) -> bool:
         return bool(self._seqs)
 

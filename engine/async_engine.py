@@ -1,0 +1,494 @@
+"""AsyncLLMEngine: the asyncio streaming interface over one LLMEngine, stepped by one thread.
+
+::
+
+    event loop (any number of consumers)            engine thread (the only one touching LLMEngine)
+    generate() ──_Add / _Abort / _Resume──> command deque ──> drained at the start of each tick
+        ^                                                             │ LLMEngine.step()
+        └── _Stream: bounded buffer <── push + loop.call_soon_threadsafe(wake) ┘
+
+Error convention (STYLE 14): every error is *raised from the async iterator* — admission errors
+(``RequestRejected``, ``ValueError``, ``InvalidSamplingParams``) from the first ``__anext__``,
+:class:`EngineDeadError` from whichever ``__anext__`` comes after the engine died or shut down.
+A stream that ends normally ends with ``finished=True`` on every one of its n sequences.
+
+Backpressure (seed §1.4, §1.7): a request's buffer holds at most ``max_buffered_outputs`` entries
+(one entry = one tick's deltas of the request). When it fills, the engine thread pauses the
+request (``Scheduler.set_backpressured``: no more tokens, KV kept) and resumes it once the
+consumer has drained it below half. The few deltas a paused request can still produce (its final
+output, a token after a recompute) are folded into the newest entry, so the bound is exact.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.engine import LLMEngine, RequestRejected, StreamOutput
+from engine.kv_cache_manager import KVStats
+from engine.request import Request, TerminalRecord
+from engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (a step raised, or shutdown): no request can progress."""
+
+
+@dataclass(frozen=True)
+class BackpressureStats:
+    """Counters of the backpressure loop, for tests and metrics."""
+
+    pauses: int  # times a request was put into BACKPRESSURED
+    resumes: int  # times one was resumed after its consumer caught up
+    max_buffered: int  # deepest any request buffer got (never above max_buffered_outputs)
+
+
+def _merge(older: list[StreamOutput], newer: list[StreamOutput]) -> list[StreamOutput]:
+    """Fold one tick's deltas into the entry before it, sequence by sequence."""
+    merged = {o.request_id: o for o in older}
+    for o in newer:
+        prev = merged.get(o.request_id)
+        if prev is not None:
+            both_none = prev.logprobs is None and o.logprobs is None
+            o = StreamOutput(
+                request_id=o.request_id,
+                index=o.index,
+                token_ids=prev.token_ids + o.token_ids,
+                text=prev.text + o.text,
+                finished=o.finished,
+                finish_reason=o.finish_reason,
+                logprobs=None if both_none else (prev.logprobs or []) + (o.logprobs or []),
+            )
+        merged[o.request_id] = o
+    return list(merged.values())
+
+
+class _Stream:
+    """One request's bounded output buffer: the engine thread pushes, the event loop pops."""
+
+    def __init__(
+        self, request_id: str, n: int, loop: asyncio.AbstractEventLoop, capacity: int
+    ) -> None:
+        self.request_id = request_id
+        # The scheduler's ids of the n sequences: the parent is sample 0, children "<id>#i".
+        self.seq_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+        self.loop = loop
+        self.capacity = capacity
+        self.done = False  # the consumer saw the end or an error (event loop only)
+        self._lock = threading.Lock()
+        self._entries: deque[list[StreamOutput]] = deque()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._paused = False  # changed by the engine thread only, under the lock
+        self._resume_asked = False
+        self._wakeup = asyncio.Event()
+
+    # -- engine thread --
+
+    def push(self, entry: list[StreamOutput]) -> tuple[int, bool]:
+        """Buffer one tick's deltas. Returns (depth, whether this push filled it: pause now)."""
+        with self._lock:
+            if len(self._entries) < self.capacity:
+                self._entries.append(entry)
+            else:
+                self._entries[-1] = _merge(self._entries[-1], entry)
+            depth = len(self._entries)
+            pause = depth >= self.capacity and not self._paused
+            self._paused |= pause
+        self._wake()
+        return depth, pause
+
+    def take_resume(self) -> bool:
+        """Whether the consumer has drained a paused buffer below half (then unpause it)."""
+        with self._lock:
+            self._resume_asked = False
+            resume = self._paused and 2 * len(self._entries) < self.capacity
+            self._paused &= not resume
+            return resume
+
+    def end(self, error: BaseException | None = None) -> None:
+        """No more entries; the consumer raises ``error`` once it has drained the buffer."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        if self.loop.is_closed():
+            return  # the consumer's loop is gone; the engine thread aborts the request
+        try:
+            self.loop.call_soon_threadsafe(self._wakeup.set)
+        except RuntimeError:
+            pass  # closed between the check and the call
+
+    # -- event loop --
+
+    async def get(self) -> tuple[list[StreamOutput] | None, bool]:
+        """The next entry (None at the end) and whether to ask the engine to resume."""
+        while True:
+            self._wakeup.clear()  # before looking: a push after the look sets it again
+            with self._lock:
+                if self._entries:
+                    entry = self._entries.popleft()
+                    ask = self._paused and not self._resume_asked
+                    ask &= 2 * len(self._entries) < self.capacity
+                    self._resume_asked |= ask
+                    return entry, ask
+                if self._closed:
+                    self.done = True
+                    if self._error is not None:
+                        raise self._error
+                    return None, False
+            await self._wakeup.wait()
+
+
+@dataclass
+class _Add:
+    stream: _Stream
+    prompt: str | Sequence[int]
+    params: SamplingParams
+    priority: int
+    deadline: float | None
+    cache_salt: str
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Resume:
+    request_id: str
+
+
+_Command = _Add | _Abort | _Resume
+
+
+class AsyncLLMEngine:
+    """Streams requests of many asyncio consumers through one :class:`LLMEngine`.
+
+    ``engine`` belongs to the engine thread: read it only while :meth:`wait_idle` holds or
+    after :meth:`shutdown`. Thread-safe views: :meth:`kv_stats`, :meth:`records`.
+    """
+
+    def __init__(self, engine: LLMEngine, *, max_buffered_outputs: int = 64) -> None:
+        if max_buffered_outputs < 1:
+            raise ValueError(f"max_buffered_outputs={max_buffered_outputs}: must be >= 1")
+        self.engine = engine
+        self.max_buffered_outputs = max_buffered_outputs
+        # Guarded by _cond: the command queue, the lifecycle flags and the idle waiters.
+        self._cond = threading.Condition()
+        self._commands: deque[_Command] = deque()
+        self._stopping = False
+        self._dead: str | None = None  # why the engine thread ended
+        self._idle = False  # the engine thread sleeps with nothing it can do
+        self._idle_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        # Engine-thread only.
+        self._streams: dict[str, _Stream] = {}
+        self._stalled = False  # the last tick changed nothing (every live request paused)
+        # Published by the engine thread after every tick, read by anyone.
+        self._snap_lock = threading.Lock()
+        self._kv_stats = engine.kv.stats()
+        self._records = list(engine.scheduler.records)
+        self._bp = BackpressureStats(0, 0, 0)
+        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | Path,
+        config: EngineConfig | None = None,
+        *,
+        max_buffered_outputs: int = 64,
+    ) -> AsyncLLMEngine:
+        """Load a local checkpoint (see LLMEngine.from_checkpoint) and start the engine thread."""
+        engine = LLMEngine.from_checkpoint(path, config)
+        return cls(engine, max_buffered_outputs=max_buffered_outputs)
+
+    # -- the protocol --------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        cache_salt: str = "",
+    ) -> AsyncGenerator[StreamOutput, None]:
+        """Stream a request's deltas as the engine produces them (all n samples, each ending
+        with ``finished=True``). Leaving early (aclose, break, cancellation) aborts it.
+
+        Raises: RequestRejected / ValueError / InvalidSamplingParams from the first
+        ``__anext__`` when admission refuses it; EngineDeadError once the engine is dead.
+        """
+        if request_id is not None and "#" in request_id:
+            raise ValueError(f"request id {request_id!r}: '#' is reserved for n > 1 samples")
+        rid = request_id if request_id is not None else uuid.uuid4().hex
+        stream = _Stream(rid, params.n, asyncio.get_running_loop(), self.max_buffered_outputs)
+        self._submit(_Add(stream, prompt, params, priority, deadline, cache_salt))
+        try:
+            while True:
+                entry, ask_resume = await stream.get()
+                if ask_resume:
+                    self._submit(_Resume(rid))
+                if entry is None:
+                    return
+                for out in entry:
+                    yield out
+        finally:
+            if not stream.done:
+                self._submit(_Abort(rid))  # no await here: this may run under GeneratorExit
+
+    async def abort(self, request_id: str) -> None:
+        """Cancel a request; its stream ends with finish_reason "abort". Unknown ids: no-op."""
+        self._submit(_Abort(request_id))
+
+    def kv_stats(self) -> KVStats:
+        """The KV pools as of the end of the last tick (thread-safe snapshot)."""
+        with self._snap_lock:
+            return self._kv_stats
+
+    def records(self) -> list[TerminalRecord]:
+        """Terminal records written so far, in order (a copy)."""
+        with self._snap_lock:
+            return list(self._records)
+
+    def backpressure_stats(self) -> BackpressureStats:
+        with self._snap_lock:
+            return self._bp
+
+    async def wait_idle(self) -> None:
+        """Return once the engine thread sleeps with no command pending: every request has
+        ended, or each live one is paused (or the engine is dead). Meant for tests."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        with self._cond:
+            if self._idle and not self._commands:  # after death: set once cleanup is done
+                return
+            self._idle_waiters.append((loop, future))
+        await future
+
+    def shutdown(self) -> None:
+        """Stop the engine thread after its current tick; requests in flight end FAILED and
+        their consumers raise EngineDeadError("shutdown"). Idempotent."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    def __enter__(self) -> AsyncLLMEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    async def __aenter__(self) -> AsyncLLMEngine:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.shutdown()
+
+    def _submit(self, command: _Command) -> None:
+        with self._cond:
+            if self._dead is None:
+                self._commands.append(command)
+                self._idle = False
+                self._cond.notify()
+                return
+            reason = self._dead
+        if isinstance(command, _Add):
+            command.stream.end(EngineDeadError(reason))
+
+    # -- the engine thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        reason, cause = "shutdown", None
+        try:
+            while (commands := self._wait_for_work()) is not None:
+                for command in commands:
+                    self._apply(command)
+                if self.engine.has_unfinished():
+                    before = self._progress()
+                    self._dispatch(self.engine.step())
+                    self._stalled = self._progress() == before
+                    self.engine.finished_outputs()  # the offline API's copies: not kept here
+                self._publish()
+        except Exception as exc:
+            logger.exception("engine step failed; failing every request in flight")
+            reason, cause = f"engine step failed: {exc!r}", exc
+        self._terminate(reason, cause)
+
+    def _wait_for_work(self) -> list[_Command] | None:
+        """Sleep until a command comes, a deadline is due or the last tick made progress.
+        Returns the commands to apply, or None on shutdown."""
+        with self._cond:
+            while not self._commands and not self._stopping:
+                timeout = self._sleep_for()
+                if timeout == 0.0:
+                    break
+                self._set_idle()
+                if not self._cond.wait(timeout) and timeout is not None:
+                    break  # a deadline is due: tick so the scheduler times the request out
+            self._idle = False
+            if self._stopping:
+                return None
+            commands = list(self._commands)
+            self._commands.clear()
+            return commands
+
+    def _sleep_for(self) -> float | None:
+        """0 while there is work, else how long to sleep (None: until a command comes)."""
+        if not self.engine.has_unfinished():
+            return None
+        if not self._stalled:
+            return 0.0
+        deadlines = [r.deadline for r in self._live_requests() if r.deadline is not None]
+        return max(0.0, min(deadlines) - time.time()) if deadlines else None
+
+    def _set_idle(self) -> None:
+        """Under _cond: mark the thread asleep and release wait_idle() callers."""
+        self._idle = True
+        waiters, self._idle_waiters = self._idle_waiters, []
+        for loop, future in waiters:
+            try:
+                loop.call_soon_threadsafe(_resolve, future)
+            except RuntimeError:
+                pass  # that caller's loop has closed
+
+    def _apply(self, command: _Command) -> None:
+        if isinstance(command, _Add):
+            self._add(command)
+            return
+        stream = self._streams.get(command.request_id)
+        if stream is None:
+            return  # unknown or already ended
+        if isinstance(command, _Abort):
+            for sid in stream.seq_ids:
+                self.engine.abort(sid)
+        elif stream.take_resume():
+            self._set_backpressured(stream, False)
+
+    def _add(self, command: _Add) -> None:
+        stream = command.stream
+        if stream.request_id in self._streams:  # its n > 1 samples may still be running
+            stream.end(ValueError(f"duplicate request id {stream.request_id!r}"))
+            return
+        try:
+            self.engine.add_request(
+                command.prompt,
+                command.params,
+                request_id=stream.request_id,
+                priority=command.priority,
+                deadline=command.deadline,
+                cache_salt=command.cache_salt,
+            )
+        except (RequestRejected, ValueError) as exc:
+            stream.end(exc)  # raised from the consumer's first __anext__
+            return
+        self._streams[stream.request_id] = stream
+
+    def _dispatch(self, outputs: list[StreamOutput]) -> None:
+        """Hand each request its tick's deltas; pause full buffers; close ended streams."""
+        entries: dict[str, list[StreamOutput]] = {}
+        for out in outputs:
+            entries.setdefault(out.request_id.partition("#")[0], []).append(out)
+        for rid, entry in entries.items():
+            stream = self._streams[rid]
+            depth, pause = stream.push(entry)
+            if depth > self._bp.max_buffered:
+                self._count(max_buffered=depth)
+            if pause:
+                self._set_backpressured(stream, True)
+            if stream.loop.is_closed():
+                for sid in stream.seq_ids:  # its consumer is gone without closing the stream
+                    self.engine.abort(sid)
+            scheduler = self.engine.scheduler
+            ended = any(o.finished for o in entry)
+            if ended and all(scheduler.get_request(sid) is None for sid in stream.seq_ids):
+                del self._streams[rid]
+                stream.end()
+
+    def _set_backpressured(self, stream: _Stream, on: bool) -> None:
+        for sid in stream.seq_ids:
+            self.engine.scheduler.set_backpressured(sid, on)
+        if on:
+            self._count(pauses=self._bp.pauses + 1)
+        else:
+            self._count(resumes=self._bp.resumes + 1)
+
+    def _count(self, **changes: int) -> None:
+        with self._snap_lock:
+            self._bp = dataclasses.replace(self._bp, **changes)
+
+    def _live_requests(self) -> list[Request]:
+        get = self.engine.scheduler.get_request
+        found = (get(sid) for s in self._streams.values() for sid in s.seq_ids)
+        return [r for r in found if r is not None]
+
+    def _progress(self) -> list[tuple[Any, ...]]:
+        """What a tick can change; equal before and after a tick means the next one (with no
+        command in between and no deadline due) would change nothing either."""
+        return [
+            (r.request_id, r.status, r.num_computed_tokens, r.num_tokens)
+            for r in self._live_requests()
+        ]
+
+    def _publish(self) -> None:
+        stats = self.engine.kv.stats()
+        records = self.engine.scheduler.records
+        with self._snap_lock:
+            self._kv_stats = stats
+            self._records.extend(records[len(self._records) :])
+
+    def _terminate(self, reason: str, cause: Exception | None) -> None:
+        """Fail every request (§1.7 FAILED, through the one reclaim path) and every stream."""
+        with self._cond:
+            self._dead = reason  # from now on _submit refuses commands
+            self._idle = False
+            pending = list(self._commands)
+            self._commands.clear()
+        for command in pending:
+            if isinstance(command, _Add):
+                command.stream.end(EngineDeadError(reason))
+        try:
+            self.engine.fail_all(reason)
+            self._publish()
+        except Exception:
+            logger.exception("cleanup after the engine stopped failed; KV may be leaked")
+        for stream in self._streams.values():
+            error = EngineDeadError(reason)
+            error.__cause__ = cause
+            stream.end(error)
+        self._streams.clear()
+        with self._cond:
+            self._set_idle()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)

@@ -1,0 +1,189 @@
+"""The model runner: owns the paged KV cache (device + host swap space) and runs one step.
+
+Cache tensor (all layers, K and V together, so a block copy or swap is one indexing op)::
+
+    kv_cache[layer, 0 = K | 1 = V, block, offset_in_block, kv_head, head_dim]
+
+The host copy has the same layout with ``num_host_blocks`` blocks (pinned on CUDA).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSeq
+from engine.batch import ScheduledChunk, SchedulerOutput
+from engine.config import EngineConfig
+from engine.loader import LoadedCheckpoint
+from engine.model import DecoderModel
+
+Tensor = torch.Tensor
+
+
+class ModelRunner:
+    """Executes :class:`SchedulerOutput` steps; the scheduler owns which blocks mean what."""
+
+    def __init__(self, ckpt: LoadedCheckpoint, config: EngineConfig, device: torch.device) -> None:
+        mc = ckpt.config
+        if config.dtype != "auto" and getattr(torch, config.dtype) != mc.dtype:
+            raise ValueError(f"engine dtype {config.dtype} but checkpoint loaded as {mc.dtype}")
+        self.model_config = mc
+        self.device = device
+        self.block_size = config.block_size
+        block_bytes = mc.kv_bytes_per_token * config.block_size
+        self.num_blocks = config.kv_cache_bytes // block_bytes
+        if self.num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {block_bytes} bytes"
+            )
+        self.num_host_blocks = config.swap_space_bytes // block_bytes
+        self.model = DecoderModel(mc, ckpt.weights, device)
+        self.kv_cache = torch.zeros(
+            self._cache_shape(self.num_blocks), dtype=mc.dtype, device=device
+        )
+        self.host_cache = torch.zeros(
+            self._cache_shape(self.num_host_blocks),
+            dtype=mc.dtype,
+            pin_memory=device.type == "cuda",
+        )
+        self._workspace = torch.empty(self._workspace_shape(0), dtype=mc.dtype, device=device)
+
+    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        mc = self.model_config
+        heads, d = mc.num_key_value_heads, mc.head_dim
+        return (mc.num_hidden_layers, 2, num_blocks, self.block_size, heads, d)
+
+    def _workspace_shape(self, num_blocks: int) -> tuple[int, ...]:
+        return self._cache_shape(num_blocks)[1:]
+
+    def _decode_workspace(self, num_blocks: int) -> Tensor:
+        """K/V gather target for ``num_blocks`` blocks; grows (never shrinks) so steady-state
+        decode steps allocate nothing."""
+        if self._workspace.shape[1] < num_blocks:
+            grown = max(num_blocks, self._workspace.shape[1] * 3 // 2)
+            self._workspace = torch.empty(
+                self._workspace_shape(grown), dtype=self._workspace.dtype, device=self.device
+            )
+        return self._workspace[:, :num_blocks]
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> Tensor:
+        """Apply the step's swaps and block copies, then run its chunks.
+
+        Returns:
+            float32 logits ``[len(out.sampled_ids), vocab]``, rows in ``out.sampled_ids`` order.
+        """
+        if out.swap_out:
+            dev, host = self._pairs(out.swap_out)
+            self.host_cache.index_copy_(
+                2, host, self.kv_cache.index_select(2, dev.to(self.device)).cpu()
+            )
+        if out.swap_in:
+            host, dev = self._pairs(out.swap_in)
+            blocks = self.host_cache.index_select(2, host).to(self.device)
+            self.kv_cache.index_copy_(2, dev.to(self.device), blocks)
+        if out.copy_blocks:
+            src, dst = (ids.to(self.device) for ids in self._pairs(out.copy_blocks))
+            self.kv_cache.index_copy_(2, dst, self.kv_cache.index_select(2, src))
+        if not out.chunks:
+            vocab = self.model_config.vocab_size
+            return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
+        input_ids, positions, meta, sample_rows = self._prepare(out.chunks)
+        return self.model.forward(input_ids, positions, meta, self.kv_cache, sample_rows)
+
+    @staticmethod
+    def _pairs(pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:
+        ids = torch.tensor(pairs, dtype=torch.long)
+        return ids[:, 0], ids[:, 1]
+
+    def _prepare(
+        self, chunks: list[ScheduledChunk]
+    ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """Flatten the chunks decode-first and build the indexing every layer shares."""
+        bs = self.block_size
+        window = self.model_config.sliding_window
+        for c in chunks:
+            self._check(c)
+        decodes = [c for c in chunks if len(c.token_ids) == 1]
+        prefills = [c for c in chunks if len(c.token_ids) > 1]
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        last_row: dict[int, int] = {}
+        for c in decodes + prefills:
+            ids += c.token_ids
+            for p in range(c.start_pos, c.start_pos + len(c.token_ids)):
+                pos.append(p)
+                slots.append(c.block_table[p // bs] * bs + p % bs)
+            last_row[id(c)] = len(ids) - 1
+        dev = self.device
+
+        def first_block(p: int) -> int:  # earliest block a query at position p attends to
+            return 0 if window is None else max(0, p - window + 1) // bs
+
+        dec_tables = [
+            c.block_table[first_block(c.start_pos) : c.start_pos // bs + 1] for c in decodes
+        ]
+        width = max((len(t) for t in dec_tables), default=0)
+        dec_blocks = torch.tensor(
+            [t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long
+        )
+        dec_pos = torch.tensor([c.start_pos for c in decodes], dtype=torch.long)[:, None]
+        dec_off = torch.tensor([first_block(c.start_pos) * bs for c in decodes], dtype=torch.long)
+        key_pos = dec_off[:, None] + torch.arange(width * bs)[None, :]
+        visible = key_pos <= dec_pos
+        if window is not None:
+            visible &= dec_pos - key_pos < window
+
+        seqs = []
+        row = len(decodes)
+        for c in prefills:
+            n, start = len(c.token_ids), c.start_pos
+            fresh = start == 0 and (window is None or n <= window)
+            lo = first_block(start)
+            blocks = c.block_table[lo : (start + n - 1) // bs + 1]
+            ctx_len = start + n - lo * bs
+            mask = None
+            if not fresh:
+                q_pos = torch.arange(start, start + n)[:, None]
+                k_pos = torch.arange(lo * bs, start + n)[None, :]
+                mask = k_pos <= q_pos
+                if window is not None:
+                    mask &= q_pos - k_pos < window
+                mask = mask.to(dev)
+            seqs.append(
+                PrefillSeq(
+                    row=row,
+                    num_tokens=n,
+                    fresh=fresh,
+                    blocks=torch.tensor(blocks, dtype=torch.long, device=dev),
+                    ctx_len=ctx_len,
+                    mask=mask,
+                )
+            )
+            row += n
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            num_decode=len(decodes),
+            decode_blocks=dec_blocks.to(dev),
+            decode_mask=visible[:, None, None, :].to(dev),
+            decode_workspace=self._decode_workspace(dec_blocks.numel()),
+            prefills=seqs,
+        )
+        sample_rows = [last_row[id(c)] for c in chunks if c.sample]
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            meta,
+            torch.tensor(sample_rows, dtype=torch.long, device=dev),
+        )
+
+    def _check(self, c: ScheduledChunk) -> None:
+        end = c.start_pos + len(c.token_ids)
+        if not c.token_ids or len(c.block_table) * self.block_size < end:
+            raise ValueError(
+                f"request {c.request_id}: block table of {len(c.block_table)} blocks "
+                f"does not cover positions [0, {end})"
+            )
+        if any(not 0 <= b < self.num_blocks for b in c.block_table):
+            raise ValueError(f"request {c.request_id}: block id outside [0, {self.num_blocks})")
