@@ -86,9 +86,12 @@ class LLMEngine:
         self.model_config: ModelConfig = runner.model_config
         self.runner = runner
         self.tokenizer = tokenizer
+        # The context limit: the config's, within the model's positions and what the KV pool
+        # can hold for one sequence (so a lone request can always run to its limit).
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
+            runner.num_blocks * config.block_size,
         )
         self.kv = KVCacheManager(
             runner.num_blocks,
