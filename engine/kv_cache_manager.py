@@ -371,3 +371,13 @@ class KVCacheManager:
                     f"refcount {self.pool.refcount(block_id)}"
                 )
         self.host_pool.check([b for s in self._seqs.values() for b in s.host_blocks])
+
+    def check_idle(self) -> None:
+        """The leak check once no request is live (P1): ``check()`` plus every pool back to its
+        baseline — nothing in use, nothing reserved, the whole host pool free."""
+        self.check()
+        s = self.stats()
+        if s.in_use_blocks or s.reserved_blocks or s.host_free_blocks != s.host_total_blocks:
+            raise KVInvariantError(f"pool not back to baseline: {s}")
+        if s.free_blocks + s.cached_blocks != s.total_blocks:
+            raise KVInvariantError(f"blocks unaccounted for: {s}")

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import pytest
 
 from engine.demo_model import Architecture, Size, write_demo_checkpoint
+from engine.tokenizer import Tokenizer
 
 DemoCkptFactory = Callable[..., Path]
 
@@ -118,3 +119,15 @@ def byte_level_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [eot]}))
     (out / "chat_template.jinja").write_text(LLAMA3_STYLE_TEMPLATE)
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_tok(test_llama: Path) -> Tokenizer:
+    """The demo (SentencePiece-style, byte fallback) tokenizer."""
+    return Tokenizer(test_llama)
+
+
+@pytest.fixture(scope="session")
+def bl_tok(byte_level_tokenizer_dir: Path) -> Tokenizer:
+    """A Llama-3-style byte-level BPE tokenizer."""
+    return Tokenizer(byte_level_tokenizer_dir)

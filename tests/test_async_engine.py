@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import assert_engine_clean
 
 from engine.async_engine import AsyncLLMEngine, BackpressureStats, EngineDeadError
 from engine.config import EngineConfig
@@ -78,18 +79,6 @@ def assert_idle_kv(aengine: AsyncLLMEngine) -> None:
     assert s.free_blocks + s.cached_blocks == s.total_blocks
 
 
-def assert_clean(engine: LLMEngine) -> None:
-    """The leak check, on the engine itself once its thread has stopped."""
-    engine.kv.check()
-    s = engine.kv.stats()
-    assert s.in_use_blocks == 0 and s.reserved_blocks == 0
-    assert s.free_blocks + s.cached_blocks == s.total_blocks
-    assert s.host_free_blocks == s.host_total_blocks
-    assert not engine.has_unfinished()
-    ids = [r.request_id for r in engine.scheduler.records]
-    assert len(ids) == len(set(ids))
-
-
 PROMPTS: list[str | list[int]] = [
     "The quick brown fox",
     list(range(100, 117)),  # 17 tokens: one past a block boundary
@@ -136,7 +125,7 @@ def test_concurrent_staggered_streams_match_offline(engine: LLMEngine, test_llam
     for outs, exp in zip(results, expected, strict=True):
         assert by_sample(outs) == exp
     assert [len(s) for s in expected] == [1] * 7 + [2]
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_cancellation_frees_kv_within_a_tick(engine: LLMEngine) -> None:
@@ -180,7 +169,7 @@ def test_cancellation_frees_kv_within_a_tick(engine: LLMEngine) -> None:
             assert_idle_kv(aengine)
 
     run(main())
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_admission_errors_raise_at_first_iteration(engine: LLMEngine, test_llama: Path) -> None:
@@ -210,7 +199,7 @@ def test_admission_errors_raise_at_first_iteration(engine: LLMEngine, test_llama
             assert_idle_kv(aengine)
 
     run(main())
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_backpressure_pauses_slow_consumer_only(engine: LLMEngine, test_llama: Path) -> None:
@@ -251,7 +240,7 @@ def test_backpressure_pauses_slow_consumer_only(engine: LLMEngine, test_llama: P
             assert_idle_kv(aengine)
 
     run(main())
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_abort_while_paused_folds_final_delta_into_full_buffer(
@@ -279,7 +268,7 @@ def test_abort_while_paused_folds_final_delta_into_full_buffer(
             assert_idle_kv(aengine)
 
     run(main())
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_deadline_of_paused_request_wakes_the_engine(engine: LLMEngine) -> None:
@@ -296,7 +285,7 @@ def test_deadline_of_paused_request_wakes_the_engine(engine: LLMEngine) -> None:
             assert_idle_kv(aengine)
 
     run(main())
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_engine_failure_fails_every_consumer(engine: LLMEngine) -> None:
@@ -341,7 +330,7 @@ def test_engine_failure_fails_every_consumer(engine: LLMEngine) -> None:
 
     run(main())
     assert raised == [True]
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_shutdown_fails_requests_in_flight(engine: LLMEngine) -> None:
@@ -371,4 +360,4 @@ def test_shutdown_fails_requests_in_flight(engine: LLMEngine) -> None:
     assert {r.status for r in records} == {RequestStatus.FAILED}
     assert {r.error for r in records} == {"shutdown"}
     assert_idle_kv(aengine)
-    assert_clean(engine)
+    assert_engine_clean(engine)

@@ -24,16 +24,6 @@ SETTINGS = settings(
 )
 
 
-@pytest.fixture(scope="module")
-def demo_tok(test_llama: Path) -> Tokenizer:
-    return Tokenizer(test_llama)
-
-
-@pytest.fixture(scope="module")
-def bl_tok(byte_level_tokenizer_dir: Path) -> Tokenizer:
-    return Tokenizer(byte_level_tokenizer_dir)
-
-
 def stream_pieces(tok: Tokenizer, ids: Sequence[int]) -> tuple[list[str], str]:
     """Feed ids one by one; return the per-id pieces and the final flush."""
     detok = IncrementalDetokenizer(tok)

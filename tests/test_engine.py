@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import assert_engine_clean
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -61,18 +62,6 @@ def engine_for(path: Path, **kw) -> LLMEngine:
     return LLMEngine.from_checkpoint(path, EngineConfig(**{**base, **kw}))
 
 
-def assert_clean(engine: LLMEngine) -> None:
-    """The leak check: every pool back to baseline, one record per request."""
-    engine.kv.check()
-    s = engine.kv.stats()
-    assert s.in_use_blocks == 0 and s.reserved_blocks == 0
-    assert s.free_blocks + s.cached_blocks == s.total_blocks
-    assert s.host_free_blocks == s.host_total_blocks
-    assert not engine.has_unfinished()
-    ids = [r.request_id for r in engine.scheduler.records]
-    assert len(ids) == len(set(ids))
-
-
 def run_staggered(
     engine: LLMEngine, prompts: list[list[int]], every: int, params: SamplingParams = GREEDY
 ) -> dict[str, list[int]]:
@@ -99,7 +88,7 @@ def test_alone(arch_case) -> None:
         [[out]] = engine.generate([p], GREEDY)
         assert out.token_ids == ref
         assert out.finish_reason == "length"
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_continuous_batch_staggered(arch_case) -> None:
@@ -107,7 +96,7 @@ def test_continuous_batch_staggered(arch_case) -> None:
     engine = engine_for(path)
     outs = run_staggered(engine, prompts, every=2)
     assert list(outs.values()) == refs
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 @pytest.mark.parametrize("budget", [7, 23])
@@ -129,7 +118,7 @@ def test_chunked_prefill_splitting_blocks(arch_case, budget: int) -> None:
     outs = run_staggered(engine, prompts, every=3)
     assert list(outs.values()) == refs
     assert any(seen_split), "no prefill chunk split a block"
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_prefix_cache_partial_and_full_hits(arch_case) -> None:
@@ -160,7 +149,7 @@ def test_prefix_cache_partial_and_full_hits(arch_case) -> None:
     [[out]] = engine.generate([partial], GREEDY)
     assert out.token_ids == hf_greedy(hf_model(path), partial)
     assert hits_before.cached_blocks > 0
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -192,7 +181,7 @@ def test_preemption_keeps_outputs_exact(arch_case, mode: str) -> None:
     assert list(outs.values()) == refs
     assert preempted, "nothing was preempted"
     assert bool(swaps) == (mode == "swap")
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def kv_bytes_per_token(path: Path) -> int:
@@ -221,7 +210,7 @@ def test_seeded_request_same_alone_and_batched(llama: Path) -> None:
         prompts[:2] + [prompts[2]] + prompts[3:], [others, others, params] + [others] * 5
     )
     assert mixed[2][0].token_ids == alone.token_ids
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_n_samples_share_prompt_blocks(llama: Path) -> None:
@@ -246,7 +235,7 @@ def test_n_samples_share_prompt_blocks(llama: Path) -> None:
     # shared full blocks 2, each sample's tail block(s): positions 32..51 -> 2 blocks each.
     assert peak[0] == 2 + 3 * 2, peak[0]
     assert len(copies) == 2  # two children copy the shared partial tail on first append
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_stop_string_and_records(llama: Path) -> None:
@@ -265,7 +254,7 @@ def test_stop_string_and_records(llama: Path) -> None:
     assert cut.record.status == RequestStatus.FINISHED
     assert cut.record.num_committed <= cut.record.num_generated
     assert len(engine.scheduler.records) == 2
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_abort_and_deadline_reclaim(llama: Path) -> None:
@@ -285,7 +274,7 @@ def test_abort_and_deadline_reclaim(llama: Path) -> None:
     recs = {r.request_id: r for r in engine.scheduler.records}
     assert recs[a].status == RequestStatus.CANCELLED
     assert recs[b].status == RequestStatus.TIMED_OUT
-    assert_clean(engine)
+    assert_engine_clean(engine)
 
 
 def test_logprobs_match_log_softmax(llama: Path) -> None:
@@ -301,4 +290,4 @@ def test_logprobs_match_log_softmax(llama: Path) -> None:
         assert lp.top[0][0] == tok  # greedy: the sampled token is the most likely
         assert len(lp.top) == 3
         assert lp.logprob == pytest.approx(lp.top[0][1])
-    assert_clean(engine)
+    assert_engine_clean(engine)

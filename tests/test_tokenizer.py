@@ -26,16 +26,6 @@ CHAT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def demo_tok(test_llama: Path) -> Tokenizer:
-    return Tokenizer(test_llama)
-
-
-@pytest.fixture(scope="module")
-def bl_tok(byte_level_tokenizer_dir: Path) -> Tokenizer:
-    return Tokenizer(byte_level_tokenizer_dir)
-
-
 def test_demo_ids_and_vocab_size_match_the_model(demo_tok: Tokenizer, test_llama: Path) -> None:
     config = json.loads((test_llama / "config.json").read_text())
     assert demo_tok.vocab_size == config["vocab_size"] == 2048
