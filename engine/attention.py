@@ -51,11 +51,12 @@ class AttentionMetadata:
     prefills: list[PrefillSeq]
 
 
-def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slots: Tensor) -> None:
-    """Store new ``k``/``v`` ``[T, kv_heads, d]`` at ``slots`` of one layer's caches."""
-    _, _, heads, d = k_cache.shape
-    k_cache.view(-1, heads, d).index_copy_(0, slots, k)
-    v_cache.view(-1, heads, d).index_copy_(0, slots, v)
+def write_kv(layer_cache: Tensor, kv: Tensor, slots: Tensor) -> None:
+    """Store ``kv`` ``[T, 2 * kv_heads, d]`` (K heads then V heads) at ``slots`` of one layer's
+    ``[2, num_blocks, block_size, kv_heads, d]`` cache, K and V in one indexed copy."""
+    _, _, _, heads, d = layer_cache.shape
+    src = kv.view(-1, 2, heads, d).transpose(0, 1)
+    layer_cache.view(2, -1, heads, d).index_copy_(1, slots, src)
 
 
 def _gather(cache: Tensor, blocks: Tensor) -> Tensor:
@@ -72,7 +73,9 @@ def decode_attention(
     Each sequence's K/V is gathered through its block table into a padded
     ``[B, kv_heads, L, d]`` view and all sequences go through ONE masked SDPA call: per-sequence
     SDPA calls with one query token cost most of a CPU decode step, and bf16 matmuls here
-    would round the scores (SDPA keeps them in fp32, as transformers does).
+    would round the scores (SDPA keeps them in fp32, as transformers does). The GQA group is
+    folded into the query-length dim (as transformers does for masked single-token decode):
+    each K/V head is then read once for its whole group.
     """
     b, heads, d = q.shape
     kv_heads = k_cache.shape[2]
@@ -80,15 +83,9 @@ def decode_attention(
     ws = meta.decode_workspace
     k = torch.index_select(k_cache, 0, flat, out=ws[0]).view(b, -1, kv_heads, d).transpose(1, 2)
     v = torch.index_select(v_cache, 0, flat, out=ws[1]).view(b, -1, kv_heads, d).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q[:, :, None, :],
-        k,
-        v,
-        attn_mask=meta.decode_mask,
-        scale=scale,
-        enable_gqa=heads != kv_heads,
-    )
-    return out.view(b, heads * d)
+    grouped = q.view(b, kv_heads, heads // kv_heads, d)
+    out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=meta.decode_mask, scale=scale)
+    return out.reshape(b, heads * d)
 
 
 def prefill_attention(

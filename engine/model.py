@@ -20,20 +20,44 @@ from engine.config import ModelConfig
 Tensor = torch.Tensor
 
 
+_MKLDNN_BF16 = (
+    torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+)
+
+
+class Linear:
+    """``y = x W^T + b``. On CPU in bf16 the weight is prepacked once into oneDNN's blocked
+    layout: plain ``F.linear`` re-packs it on every call, which costs more than the GEMM itself
+    at decode batch sizes (same results, bit for bit)."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+        self.bias = bias
+        self.weight: Tensor | None = weight
+        self.packed: Tensor | None = None
+        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _MKLDNN_BF16:
+            # The second argument is the expected row count; it only tunes the layout.
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+            self.weight = None  # the packed copy replaces it
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
+
+
 @dataclass
 class LayerWeights:
     """One decoder layer, with q/k/v and gate/up fused so each is a single GEMM."""
 
     input_norm: Tensor
-    qkv: Tensor
-    qkv_bias: Tensor | None
-    o: Tensor
-    o_bias: Tensor | None
+    qkv: Linear
+    o: Linear
     post_norm: Tensor
-    gate_up: Tensor
-    gate_up_bias: Tensor | None
-    down: Tensor
-    down_bias: Tensor | None
+    gate_up: Linear
+    down: Linear
 
 
 def rope_inv_freq(config: ModelConfig) -> Tensor:
@@ -64,11 +88,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(x.dtype)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """``x`` ``[T, heads, d]``; ``cos``/``sin`` ``[T, 1, d]`` (HF's rotate-half convention)."""
+def apply_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
+    """Rotate ``x`` ``[T, heads, d]`` in place; ``cos``/``sin`` ``[T, 1, d]``.
+
+    HF's rotate-half convention with its bf16 rounding (each product rounded, then the sum)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    torch.add(x * cos, rotated * sin, out=x)
 
 
 class DecoderModel:
@@ -82,36 +108,31 @@ class DecoderModel:
         def get(name: str) -> Tensor:
             return weights[name].to(device=device, dtype=c.dtype)
 
-        def opt(name: str) -> Tensor | None:
-            return get(name) if name in weights else None
+        def fused(names: list[str]) -> Tensor:
+            # A single tensor is used as is (no copy: it may be shared with the checkpoint).
+            parts = [get(n) for n in names]
+            return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
 
-        def fuse(*names: str) -> Tensor | None:
-            parts = [opt(n) for n in names]
-            if any(p is None for p in parts):
-                return None
-            return torch.cat([p for p in parts if p is not None]).contiguous()
+        def linear(*prefixes: str) -> Linear:
+            """One Linear from the named projections, fused along the output dim."""
+            biases = [p + ".bias" for p in prefixes if p + ".bias" in weights]
+            bias = fused(biases) if biases and len(biases) == len(prefixes) else None
+            return Linear(fused([p + ".weight" for p in prefixes]), bias)
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
-        self.lm_head = self.embed if c.tie_word_embeddings else get("lm_head.weight")
+        self.lm_head = Linear(self.embed if c.tie_word_embeddings else get("lm_head.weight"), None)
         self.layers: list[LayerWeights] = []
         for i in range(c.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-            qkv = fuse(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
-            gate_up = fuse(m + "gate_proj.weight", m + "up_proj.weight")
-            assert qkv is not None and gate_up is not None  # the loader checked the names
             self.layers.append(
                 LayerWeights(
                     input_norm=get(f"model.layers.{i}.input_layernorm.weight"),
-                    qkv=qkv,
-                    qkv_bias=fuse(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
-                    o=get(a + "o_proj.weight"),
-                    o_bias=opt(a + "o_proj.bias"),
+                    qkv=linear(a + "q_proj", a + "k_proj", a + "v_proj"),
+                    o=linear(a + "o_proj"),
                     post_norm=get(f"model.layers.{i}.post_attention_layernorm.weight"),
-                    gate_up=gate_up,
-                    gate_up_bias=fuse(m + "gate_proj.bias", m + "up_proj.bias"),
-                    down=get(m + "down_proj.weight"),
-                    down_bias=opt(m + "down_proj.bias"),
+                    gate_up=linear(m + "gate_proj", m + "up_proj"),
+                    down=linear(m + "down_proj"),
                 )
             )
         self.inv_freq = rope_inv_freq(c).to(device)
@@ -136,8 +157,7 @@ class DecoderModel:
         """
         c = self.config
         t = input_ids.shape[0]
-        q_size = c.num_attention_heads * c.head_dim
-        kv_size = c.num_key_value_heads * c.head_dim
+        heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
         cos, sin = emb.cos().to(c.dtype), emb.sin().to(c.dtype)
@@ -145,19 +165,18 @@ class DecoderModel:
         h = F.embedding(input_ids, self.embed)
         for layer, w in enumerate(self.layers):
             x = rms_norm(h, w.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, w.qkv, w.qkv_bias)
-            q = qkv[:, :q_size].view(t, c.num_attention_heads, c.head_dim)
-            k = qkv[:, q_size : q_size + kv_size].view(t, c.num_key_value_heads, c.head_dim)
-            v = qkv[:, q_size + kv_size :].view(t, c.num_key_value_heads, c.head_dim)
-            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            # Heads side by side: [q heads | k heads | v heads], all views of one GEMM output.
+            qkv = w.qkv(x).view(t, heads + 2 * kv_heads, c.head_dim)
+            apply_rotary_(qkv[:, : heads + kv_heads], cos, sin)  # q and k in one pass
+            write_kv(kv_cache[layer], qkv[:, heads:], meta.slot_mapping)
+            q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
             k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
-            write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-            h = h + F.linear(self._attention(q, k, v, k_cache, v_cache, meta), w.o, w.o_bias)
+            h = h + w.o(self._attention(q, k, v, k_cache, v_cache, meta))
             x = rms_norm(h, w.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+            gate, up = w.gate_up(x).chunk(2, dim=-1)
+            h = h + w.down(F.silu(gate) * up)
         x = rms_norm(h.index_select(0, sample_rows), self.norm, c.rms_norm_eps)
-        return F.linear(x, self.lm_head).float()
+        return self.lm_head(x).float()
 
     def _attention(
         self,

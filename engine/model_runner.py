@@ -38,6 +38,8 @@ class ModelRunner:
             )
         self.num_host_blocks = config.swap_space_bytes // block_bytes
         self.model = DecoderModel(mc, ckpt.weights, device)
+        # Zeros, not empty: decode reads padding slots (masked out, weight 0), and 0 * NaN from
+        # uninitialised memory would still poison the output.
         self.kv_cache = torch.zeros(
             self._cache_shape(self.num_blocks), dtype=mc.dtype, device=device
         )
@@ -100,8 +102,7 @@ class ModelRunner:
         self, chunks: list[ScheduledChunk]
     ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
         """Flatten the chunks decode-first and build the indexing every layer shares."""
-        bs = self.block_size
-        window = self.model_config.sliding_window
+        bs, dev = self.block_size, self.device
         for c in chunks:
             self._check(c)
         decodes = [c for c in chunks if len(c.token_ids) == 1]
@@ -110,58 +111,16 @@ class ModelRunner:
         pos: list[int] = []
         slots: list[int] = []
         last_row: dict[int, int] = {}
+        seqs: list[PrefillSeq] = []
         for c in decodes + prefills:
+            if len(c.token_ids) > 1:
+                seqs.append(self._prefill_seq(c, row=len(ids)))
             ids += c.token_ids
             for p in range(c.start_pos, c.start_pos + len(c.token_ids)):
                 pos.append(p)
                 slots.append(c.block_table[p // bs] * bs + p % bs)
             last_row[id(c)] = len(ids) - 1
-        dev = self.device
-
-        def first_block(p: int) -> int:  # earliest block a query at position p attends to
-            return 0 if window is None else max(0, p - window + 1) // bs
-
-        dec_tables = [
-            c.block_table[first_block(c.start_pos) : c.start_pos // bs + 1] for c in decodes
-        ]
-        width = max((len(t) for t in dec_tables), default=0)
-        dec_blocks = torch.tensor(
-            [t + [0] * (width - len(t)) for t in dec_tables], dtype=torch.long
-        )
-        dec_pos = torch.tensor([c.start_pos for c in decodes], dtype=torch.long)[:, None]
-        dec_off = torch.tensor([first_block(c.start_pos) * bs for c in decodes], dtype=torch.long)
-        key_pos = dec_off[:, None] + torch.arange(width * bs)[None, :]
-        visible = key_pos <= dec_pos
-        if window is not None:
-            visible &= dec_pos - key_pos < window
-
-        seqs = []
-        row = len(decodes)
-        for c in prefills:
-            n, start = len(c.token_ids), c.start_pos
-            fresh = start == 0 and (window is None or n <= window)
-            lo = first_block(start)
-            blocks = c.block_table[lo : (start + n - 1) // bs + 1]
-            ctx_len = start + n - lo * bs
-            mask = None
-            if not fresh:
-                q_pos = torch.arange(start, start + n)[:, None]
-                k_pos = torch.arange(lo * bs, start + n)[None, :]
-                mask = k_pos <= q_pos
-                if window is not None:
-                    mask &= q_pos - k_pos < window
-                mask = mask.to(dev)
-            seqs.append(
-                PrefillSeq(
-                    row=row,
-                    num_tokens=n,
-                    fresh=fresh,
-                    blocks=torch.tensor(blocks, dtype=torch.long, device=dev),
-                    ctx_len=ctx_len,
-                    mask=mask,
-                )
-            )
-            row += n
+        dec_blocks, visible = self._decode_indexing(decodes)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             num_decode=len(decodes),
@@ -178,6 +137,54 @@ class ModelRunner:
             torch.tensor(sample_rows, dtype=torch.long, device=dev),
         )
 
+    def _first_block(self, p: int) -> int:
+        """Earliest block a query at position ``p`` attends to (later than 0 only under a
+        sliding window, whose query sees keys ``p - window < k <= p``)."""
+        window = self.model_config.sliding_window
+        return 0 if window is None else max(0, p - window + 1) // self.block_size
+
+    def _decode_indexing(self, decodes: list[ScheduledChunk]) -> tuple[Tensor, Tensor]:
+        """Padded block tables ``[B, W]`` (block 0 as filler) and the key mask ``[B, W * bs]``."""
+        bs, window = self.block_size, self.model_config.sliding_window
+        firsts = [self._first_block(c.start_pos) for c in decodes]
+        tables = [
+            c.block_table[f : c.start_pos // bs + 1] for c, f in zip(decodes, firsts, strict=True)
+        ]
+        width = max((len(t) for t in tables), default=0)
+        blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        q_pos = torch.tensor([c.start_pos for c in decodes], dtype=torch.long)[:, None]
+        k_pos = torch.tensor(firsts, dtype=torch.long)[:, None] * bs + torch.arange(width * bs)
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= q_pos - k_pos < window
+        return blocks, visible
+
+    def _prefill_seq(self, c: ScheduledChunk, row: int) -> PrefillSeq:
+        n, start, bs = len(c.token_ids), c.start_pos, self.block_size
+        window = self.model_config.sliding_window
+        first = self._first_block(start)
+        fresh = start == 0 and (window is None or n <= window)
+        mask = None
+        if not fresh:
+            q_pos = torch.arange(start, start + n)[:, None]
+            k_pos = torch.arange(first * bs, start + n)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= q_pos - k_pos < window
+            mask = mask.to(self.device)
+        return PrefillSeq(
+            row=row,
+            num_tokens=n,
+            fresh=fresh,
+            blocks=torch.tensor(
+                c.block_table[first : (start + n - 1) // bs + 1],
+                dtype=torch.long,
+                device=self.device,
+            ),
+            ctx_len=start + n - first * bs,
+            mask=mask,
+        )
+
     def _check(self, c: ScheduledChunk) -> None:
         end = c.start_pos + len(c.token_ids)
         if not c.token_ids or len(c.block_table) * self.block_size < end:
@@ -185,5 +192,5 @@ class ModelRunner:
                 f"request {c.request_id}: block table of {len(c.block_table)} blocks "
                 f"does not cover positions [0, {end})"
             )
-        if any(not 0 <= b < self.num_blocks for b in c.block_table):
+        if min(c.block_table) < 0 or max(c.block_table) >= self.num_blocks:
             raise ValueError(f"request {c.request_id}: block id outside [0, {self.num_blocks})")
