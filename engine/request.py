@@ -153,7 +153,7 @@ class TerminalRecord:
     error: str | None = None
 
 
-@dataclass
+@dataclass(eq=False)  # identity: queues test membership, and field-wise == would be O(tokens)
 class Request:
     """One sequence being served. Token counting, not phase tracking, drives scheduling:
     the scheduler lets ``num_computed_tokens`` catch up with ``num_tokens``."""
