@@ -93,6 +93,9 @@ class SamplingParams:
             raise bad("allowed_token_ids", "must not be empty")
         if any(len(w) == 0 for w in self.bad_words_ids):
             raise bad("bad_words_ids", "sequences must not be empty")
+        banned = {w[0] for w in self.bad_words_ids if len(w) == 1}
+        if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= banned:
+            raise bad("allowed_token_ids", "every allowed token is also a banned word")
         if any(s == "" for s in self.stop):
             raise bad("stop", "stop strings must not be empty")
         for tid in (*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())):

@@ -256,8 +256,10 @@ def test_min_tokens_masks_eos_and_stop_tokens_until_reached() -> None:
 
 
 def test_contradictory_constraints_fall_back_to_raw_logits() -> None:
-    params = SamplingParams(temperature=0.0, allowed_token_ids=(2,), bad_words_ids=((2,),))
-    out = Sampler(3)(t([[0.0, 1.0, 0.5]]), [state(params)])
+    """A static contradiction is refused by SamplingParams; one that arises while generating
+    (here: the only allowed token would repeat a 1-gram) samples from the raw logits."""
+    params = SamplingParams(temperature=0.0, allowed_token_ids=(2,), no_repeat_ngram_size=1)
+    out = Sampler(3)(t([[0.0, 1.0, 0.5]]), [state(params, output=[2])])
     assert out.token_ids == [1]
 
 
