@@ -184,18 +184,20 @@ def bench_size(size: str, n: int, plen: int, olen: int, rates: dict[str, float])
         ),
     )
     vocab = engine.model_config.vocab_size
+    # Distinct prompt sets, so no run gets prefix-cache hits from an earlier one.
     prompts = prompts_for(n, plen, vocab)
-    tandem_throughput(engine, prompts[:4], 4)  # warm-up
+    single = prompts_for(1, plen, vocab, seed=2)
+    tandem_throughput(engine, prompts_for(4, plen, vocab, seed=3), 4)  # warm-up
     log(f"{size}: Tandem batch {n}")
     t_batch = tandem_throughput(engine, prompts, olen)
     log(f"{size}: Tandem batch 1")
-    t_one = tandem_throughput(engine, prompts[:1], olen)
+    t_one = tandem_throughput(engine, single, olen)
     log(f"{size}: transformers")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     pad = min(engine.tokenizer.eos_token_ids, default=0)
     hf_throughput(hf, prompts[:2], 4, pad)  # warm-up
     h_batch = hf_throughput(hf, prompts, olen, pad)
-    h_one = hf_throughput(hf, prompts[:1], olen, pad)
+    h_one = hf_throughput(hf, single, olen, pad)
     del hf
     steps = {}
     for b in (1, 32, 64):
