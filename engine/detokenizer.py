@@ -20,10 +20,49 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from weakref import WeakKeyDictionary
 
 from engine.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
+
+
+class _TokenMemo:
+    """Per-tokenizer facts about single ids, computed once: whether the detokenizer drops the
+    id (special, or outside the vocabulary) and the id's text on its own. Every stream of a
+    tokenizer shares one memo, so the common case costs a dict lookup, not a tokenizer call."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tok = tokenizer
+        self._dropped: dict[int, bool] = {}
+        self._text: dict[int, str] = {}
+
+    def dropped(self, token_id: int) -> bool:
+        dropped = self._dropped.get(token_id)
+        if dropped is None:
+            tok = self._tok
+            dropped = token_id in tok.special_token_ids or tok.id_to_token(token_id) is None
+            self._dropped[token_id] = dropped
+        return dropped
+
+    def decode(self, ids: list[int]) -> str:
+        """``tokenizer.decode(ids, skip_special_tokens=False)``, memoised for one id."""
+        if len(ids) != 1:
+            return self._tok.decode(ids, skip_special_tokens=False)
+        text = self._text.get(ids[0])
+        if text is None:
+            text = self._text[ids[0]] = self._tok.decode(ids, skip_special_tokens=False)
+        return text
+
+
+_MEMOS: WeakKeyDictionary[Tokenizer, _TokenMemo] = WeakKeyDictionary()
+
+
+def _memo(tokenizer: Tokenizer) -> _TokenMemo:
+    memo = _MEMOS.get(tokenizer)
+    if memo is None:
+        memo = _MEMOS[tokenizer] = _TokenMemo(tokenizer)
+    return memo
 
 
 class IncrementalDetokenizer:
@@ -40,6 +79,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
+        self._memo = _memo(tokenizer)
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -49,7 +89,7 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one sampled id; return the text that became final ("" while held back)."""
         self.num_tokens += 1
-        if token_id in self._tok.special_token_ids or self._tok.id_to_token(token_id) is None:
+        if self._memo.dropped(token_id):
             if self._read == len(self._ids):
                 self.num_stable_tokens = self.num_tokens
             return ""
@@ -64,14 +104,14 @@ class IncrementalDetokenizer:
 
     def _release(self, final: bool) -> str:
         window = self._ids[self._prefix :]
-        text = self._tok.decode(window, skip_special_tokens=False)
+        text = self._memo.decode(window)
         if text.endswith(_REPLACEMENT) and not final:
             return ""
         # No byte run or unfinished character crosses ``read``, so the window's text is the text
         # of ids[prefix:read] followed by exactly that of the new ids. A leading space the
         # decoder strips at the window start is stripped from both decodes; only the very first
         # window (prefix == read == 0) starts the output, where the strip is real.
-        done = self._tok.decode(window[: self._read - self._prefix], skip_special_tokens=False)
+        done = self._memo.decode(window[: self._read - self._prefix])
         self._prefix, self._read = self._read, len(self._ids)
         self.num_stable_tokens = self.num_tokens
         return text[len(done) :]
@@ -105,6 +145,9 @@ class StopStringChecker:
         """Add text; return what is now safe to emit, or a StopMatch (then feed no more)."""
         if self.matched is not None:
             raise RuntimeError(f"stop string {self.matched!r} already matched")
+        if not self._stops:  # nothing can match or be held back
+            self.num_released_chars += len(text)
+            return text
         buf = self._held + text
         best: tuple[tuple[int, int], str] | None = None  # ((end, start), stop)
         for stop in self._stops:

@@ -67,8 +67,7 @@ class _Sequence:
     request: Request
     index: int
     sampling: SamplingState
-    detok: TextStream
-    text: str = ""
+    detok: TextStream  # also holds the text emitted so far
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
@@ -236,7 +235,6 @@ class LLMEngine:
         if delta.stop_matched is not None and not req.is_finished:
             self.scheduler.finish_request(req.request_id, FinishReason.STOP_STRING)
         self._record_emits(seq, seq.detok.num_emitted, now)
-        seq.text += delta.text
         lp = seq.logprobs[-1:] if req.sampling_params.logprobs is not None else None
         return StreamOutput(req.request_id, seq.index, [token], delta.text, logprobs=lp)
 
@@ -253,7 +251,6 @@ class LLMEngine:
         now = time.time()
         tail = seq.detok.finish() if req.status == RequestStatus.FINISHED else ""
         self._record_emits(seq, seq.detok.num_emitted, now)
-        seq.text += tail
         record = self.scheduler.reclaim(rid)
         record = record or req.record
         assert record is not None, f"{rid}: terminal without a record"
@@ -264,7 +261,7 @@ class LLMEngine:
                 index=seq.index,
                 prompt_token_ids=req.prompt_token_ids,
                 token_ids=list(req.output_token_ids[: seq.detok.num_committed]),
-                text=seq.text,
+                text=seq.detok.text,
                 finish_reason=reason,
                 record=record,
                 logprobs=seq.logprobs if req.sampling_params.logprobs is not None else None,

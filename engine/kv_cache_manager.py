@@ -40,6 +40,18 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tu
     return xxhash.xxh3_64_intdigest(packed)
 
 
+def token_slice(request: Request, start: int, end: int) -> list[int]:
+    """``request.all_token_ids[start:end]`` without concatenating prompt and output first
+    (that copy of every token, per sequence per step, dominated the decode bookkeeping)."""
+    prompt = request.prompt_token_ids
+    num_prompt = len(prompt)
+    if start >= num_prompt:
+        return request.output_token_ids[start - num_prompt : end - num_prompt]
+    if end <= num_prompt:
+        return prompt[start:end]
+    return prompt[start:] + request.output_token_ids[: end - num_prompt]
+
+
 def check_kv_heads_divisible(num_kv_heads: int, tp_degree: int) -> int:
     """KV heads per tensor-parallel rank (seed [D08]); ValueError unless it divides exactly."""
     if tp_degree < 1 or num_kv_heads < 1 or num_kv_heads % tp_degree != 0:
@@ -181,23 +193,38 @@ class KVCacheManager:
         held = seq.blocks if seq is not None else []
         if computed and held:
             raise ValueError(f"request {rid}: computed_blocks on a request that holds blocks")
-        if len(computed) * self.block_size > request.num_computed_tokens:
+        bs = self.block_size
+        start = request.num_computed_tokens
+        if len(computed) * bs > start:
             raise ValueError(f"request {rid}: num_computed_tokens does not cover computed_blocks")
         table = held or list(computed)
-        start = request.num_computed_tokens
         end = start + num_new_tokens
+        num_needed = -(-end // bs)
         # Blocks the new tokens write into that others also hold must be replaced first.
-        written = range(start // self.block_size, min(len(table), self.blocks_for(end)))
-        cow = [i for i in written if num_new_tokens > 0 and self.pool.refcount(table[i]) > 1]
-        num_grow = max(0, self.blocks_for(end) - len(table))
-        revived = sum(1 for b in computed if self.pool.refcount(b) == 0)
-        if len(cow) + num_grow > self.pool.num_available - revived:
-            return None
+        written = range(start // bs, min(len(table), num_needed)) if num_new_tokens else ()
+        cow = [i for i in written if self.pool.refcount(table[i]) > 1]
+        num_grow = max(0, num_needed - len(table))
+        new_blocks: list[int] = []
+        # The common decode step (last block still has room, nobody shares it) takes nothing.
+        if seq is None or computed or cow or num_grow:
+            revived = sum(1 for b in computed if self.pool.refcount(b) == 0)
+            if len(cow) + num_grow > self.pool.num_available - revived:
+                return None
+            if seq is None:
+                seq = self._seqs[rid] = _Seq(extra_keys=self._extra_keys(request))
+            self.pool.incref(computed)
+            seq.blocks = table
+            new_blocks = self._take_blocks(table, cow, num_grow, start)
+        seq.num_slots = max(seq.num_slots, end)
+        num_full = min(end, request.num_tokens) // bs
+        if self.enable_prefix_caching and num_full > len(seq.block_hashes):
+            self._cache_full_blocks(request, seq, num_full)
+        return new_blocks
 
-        if seq is None:
-            seq = self._seqs[rid] = _Seq(extra_keys=self._extra_keys(request))
-        self.pool.incref(computed)
-        seq.blocks = table
+    def _take_blocks(
+        self, table: list[int], cow: list[int], num_grow: int, start: int
+    ) -> list[int]:
+        """Replace the shared blocks at table indices ``cow`` and append ``num_grow`` blocks."""
         new_blocks = self.pool.allocate(len(cow) + num_grow)
         if new_blocks is None:
             raise KVInvariantError("allocate failed after the availability check")
@@ -208,20 +235,14 @@ class KVCacheManager:
             self.pool.decref([src])
             table[i] = dst
         table.extend(new_blocks[len(cow) :])
-        seq.num_slots = max(seq.num_slots, end)
-        if self.enable_prefix_caching:
-            self._cache_full_blocks(request, seq, min(end, request.num_tokens))
         return new_blocks
 
-    def _cache_full_blocks(self, request: Request, seq: _Seq, num_tokens: int) -> None:
-        """Hash and register the blocks fully covered by the first ``num_tokens`` tokens."""
-        num_full = num_tokens // self.block_size
-        if len(seq.block_hashes) >= num_full:
-            return
-        tokens = request.all_token_ids
+    def _cache_full_blocks(self, request: Request, seq: _Seq, num_full: int) -> None:
+        """Hash and register the request's first ``num_full`` blocks (all of them full)."""
+        bs = self.block_size
         for i in range(len(seq.block_hashes), num_full):
             parent = seq.block_hashes[-1] if seq.block_hashes else None
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            chunk = tuple(token_slice(request, i * bs, (i + 1) * bs))
             block_hash = hash_block(parent, chunk, seq.extra_keys)
             seq.block_hashes.append(block_hash)
             block = seq.blocks[i]

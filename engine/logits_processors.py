@@ -92,7 +92,7 @@ def needs_processing(params: SamplingParams, history: TokenHistory, eos: frozens
         or params.allowed_token_ids is not None
         or params.bad_words_ids
         or params.no_repeat_ngram_size
-        or _min_tokens_bans(params, history, eos)
+        or (params.min_tokens and _min_tokens_bans(params, history, eos))
         or params.repetition_penalty != 1.0
         or params.frequency_penalty
         or params.presence_penalty

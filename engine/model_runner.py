@@ -9,6 +9,7 @@ The host copy has the same layout with ``num_host_blocks`` blocks (pinned on CUD
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSeq
@@ -101,7 +102,10 @@ class ModelRunner:
     def _prepare(
         self, chunks: list[ScheduledChunk]
     ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
-        """Flatten the chunks decode-first and build the indexing every layer shares."""
+        """Flatten the chunks decode-first and build the indexing every layer shares.
+
+        All index lists are joined into one flat list and converted once (through numpy: a
+        Python list converts several times faster that way) and moved to the device once."""
         bs, dev = self.block_size, self.device
         for c in chunks:
             self._check(c)
@@ -110,59 +114,79 @@ class ModelRunner:
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
-        last_row: dict[int, int] = {}
-        seqs: list[PrefillSeq] = []
-        for c in decodes + prefills:
-            if len(c.token_ids) > 1:
-                seqs.append(self._prefill_seq(c, row=len(ids)))
+        for c in decodes:
+            p = c.start_pos
+            pos.append(p)
+            slots.append(c.block_table[p // bs] * bs + p % bs)
             ids += c.token_ids
-            for p in range(c.start_pos, c.start_pos + len(c.token_ids)):
-                pos.append(p)
-                slots.append(c.block_table[p // bs] * bs + p % bs)
-            last_row[id(c)] = len(ids) - 1
-        dec_blocks, visible = self._decode_indexing(decodes)
+        seqs: list[PrefillSeq] = []
+        for c in prefills:
+            seqs.append(self._prefill_seq(c, row=len(ids)))
+            span = range(c.start_pos, c.start_pos + len(c.token_ids))
+            pos += span
+            slots += [c.block_table[p // bs] * bs + p % bs for p in span]
+            ids += c.token_ids
+        # Last row of each chunk: decodes are rows 0.., prefills follow in order.
+        last_row = {id(c): row for row, c in enumerate(decodes)}
+        for c, seq in zip(prefills, seqs, strict=True):
+            last_row[id(c)] = seq.row + seq.num_tokens - 1
+        sample_rows = [last_row[id(c)] for c in chunks if c.sample]
+        firsts = self._first_blocks([c.start_pos for c in decodes])
+        tables, width = self._decode_tables(decodes, firsts)
+
+        flat = ids + pos + slots + sample_rows + firsts + tables
+        sizes = [len(ids), len(pos), len(slots), len(sample_rows), len(firsts), len(tables)]
+        host = torch.from_numpy(np.array(flat, dtype=np.int64))
+        _, host_pos, _, _, host_firsts, _ = host.split(sizes)
+        visible = self._decode_mask(host_pos[: len(decodes)], host_firsts, width)
+        input_ids, positions, slot_mapping, rows, _, blocks = host.to(dev).split(sizes)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            slot_mapping=slot_mapping,
             num_decode=len(decodes),
-            decode_blocks=dec_blocks.to(dev),
+            decode_blocks=blocks.view(len(decodes), width),
             decode_mask=visible[:, None, None, :].to(dev),
-            decode_workspace=self._decode_workspace(dec_blocks.numel()),
+            decode_workspace=self._decode_workspace(len(tables)),
             prefills=seqs,
         )
-        sample_rows = [last_row[id(c)] for c in chunks if c.sample]
-        return (
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            meta,
-            torch.tensor(sample_rows, dtype=torch.long, device=dev),
-        )
+        return input_ids, positions, meta, rows
 
-    def _first_block(self, p: int) -> int:
-        """Earliest block a query at position ``p`` attends to (later than 0 only under a
+    def _first_blocks(self, positions: list[int]) -> list[int]:
+        """Earliest block a query at each position ``p`` attends to (later than 0 only under a
         sliding window, whose query sees keys ``p - window < k <= p``)."""
         window = self.model_config.sliding_window
-        return 0 if window is None else max(0, p - window + 1) // self.block_size
+        if window is None:
+            return [0] * len(positions)
+        return [max(0, p - window + 1) // self.block_size for p in positions]
 
-    def _decode_indexing(self, decodes: list[ScheduledChunk]) -> tuple[Tensor, Tensor]:
-        """Padded block tables ``[B, W]`` (block 0 as filler) and the key mask ``[B, W * bs]``."""
-        bs, window = self.block_size, self.model_config.sliding_window
-        firsts = [self._first_block(c.start_pos) for c in decodes]
+    def _decode_tables(
+        self, decodes: list[ScheduledChunk], firsts: list[int]
+    ) -> tuple[list[int], int]:
+        """Block tables ``[B, W]`` flattened row-major (block 0 as filler), and W."""
+        bs = self.block_size
         tables = [
             c.block_table[f : c.start_pos // bs + 1] for c, f in zip(decodes, firsts, strict=True)
         ]
         width = max((len(t) for t in tables), default=0)
-        blocks = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        q_pos = torch.tensor([c.start_pos for c in decodes], dtype=torch.long)[:, None]
-        k_pos = torch.tensor(firsts, dtype=torch.long)[:, None] * bs + torch.arange(width * bs)
+        flat: list[int] = []
+        for t in tables:
+            flat += t
+            flat += [0] * (width - len(t))
+        return flat, width
+
+    def _decode_mask(self, q_pos: Tensor, firsts: Tensor, width: int) -> Tensor:
+        """The decode key mask ``[B, W * bs]``: True where a query at ``q_pos`` attends."""
+        bs, window = self.block_size, self.model_config.sliding_window
+        q_pos = q_pos[:, None]
+        k_pos = firsts[:, None] * bs + torch.arange(width * bs)
         visible = k_pos <= q_pos
         if window is not None:
             visible &= q_pos - k_pos < window
-        return blocks, visible
+        return visible
 
     def _prefill_seq(self, c: ScheduledChunk, row: int) -> PrefillSeq:
         n, start, bs = len(c.token_ids), c.start_pos, self.block_size
         window = self.model_config.sliding_window
-        first = self._first_block(start)
+        (first,) = self._first_blocks([start])
         fresh = start == 0 and (window is None or n <= window)
         mask = None
         if not fresh:

@@ -291,14 +291,14 @@ class Sampler:
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if not sampled:
-            tokens = z.argmax(-1)
+            tokens = _argmax(z)
         elif not greedy:
             tokens = self._sample(z, states)
         else:
             tokens = torch.empty(len(states), dtype=torch.long, device=z.device)
             greedy_index = torch.tensor(greedy, device=z.device)
             sampled_index = torch.tensor(sampled, device=z.device)
-            tokens[greedy_index] = z[greedy_index].argmax(-1)
+            tokens[greedy_index] = _argmax(z[greedy_index])
             tokens[sampled_index] = self._sample(z[sampled_index], [states[i] for i in sampled])
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, _logprobs(logits, token_ids, params))
@@ -316,6 +316,16 @@ class Sampler:
                 sub = probs[index]
                 probs[index] = _renormalise(sub, mask(sub, [value(params[i]) for i in rows]))
         return _draw(probs, [s.generator for s in states])
+
+
+def _argmax(logits: Tensor) -> Tensor:
+    """Row-wise argmax of float32 ``[B, V]``, lowest id on a tie (NaN counts as the maximum).
+
+    On CPU numpy's argmax is several times faster than torch's over a [64, 8192] batch (the
+    greedy step's whole sampling cost) and has the same first-occurrence semantics."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.detach().numpy().argmax(-1))
+    return logits.argmax(-1)
 
 
 def _draw(probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:

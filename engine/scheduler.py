@@ -22,7 +22,7 @@ from collections.abc import Callable
 from engine.admission import Admission, AdmissionResult
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.kv_cache_manager import KVCacheManager, token_slice
 from engine.request import FinishReason, Request, RequestStatus, TerminalRecord
 
 S = RequestStatus
@@ -86,9 +86,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Reclaim, schedule running requests, resume swapped ones, admit waiting ones."""
         now = self.clock()
-        for req in list(self._requests.values()):
-            if req.deadline is not None and now >= req.deadline and not req.is_finished:
-                self.finish_request(req.request_id, FinishReason.DEADLINE)
+        expired = [
+            r.request_id
+            for r in self._requests.values()
+            if r.deadline is not None and now >= r.deadline and not r.is_finished
+        ]
+        for rid in expired:
+            self.finish_request(rid, FinishReason.DEADLINE)
         for rid in list(self._ended):
             self.reclaim(rid)
 
@@ -108,7 +112,7 @@ class Scheduler:
             out.chunks.append(
                 ScheduledChunk(
                     request_id=rid,
-                    token_ids=req.all_token_ids[start : start + n],
+                    token_ids=token_slice(req, start, start + n),
                     start_pos=start,
                     block_table=self.kv.block_table(rid),
                     sample=start + n == req.num_tokens,
@@ -118,12 +122,13 @@ class Scheduler:
         self._in_flight = set(scheduled)
         return out
 
-    def _chunk_size(self, req: Request, scheduled: dict[str, int]) -> int:
-        """Tokens ``req`` may compute this step: 0 when it (or its whole prompt) does not fit."""
-        if len(scheduled) >= self.config.max_num_seqs:
+    def _chunk_size(self, req: Request, num_seqs: int, num_tokens: int) -> int:
+        """Tokens ``req`` may compute this step, given ``num_seqs`` sequences and ``num_tokens``
+        tokens already in it: 0 when it (or its whole prompt) does not fit."""
+        if num_seqs >= self.config.max_num_seqs:
             return 0
         remaining = req.num_tokens - req.num_computed_tokens
-        budget = self.config.max_num_batched_tokens - sum(scheduled.values())
+        budget = self.config.max_num_batched_tokens - num_tokens
         if remaining > budget and not self.config.enable_chunked_prefill:
             return 0
         return min(remaining, budget)
@@ -133,18 +138,21 @@ class Scheduler:
         # Plan in running order, which is admission order: a partial prefill chunk always takes
         # the rest of the budget, so nothing joins behind it and decodes never wait for one.
         plan: dict[str, int] = {}
+        planned: list[Request] = []
+        num_tokens = 0
         for req in self._running:
             if not req.is_finished and req.status is not S.BACKPRESSURED:
-                n = self._chunk_size(req, plan)
+                n = self._chunk_size(req, len(plan), num_tokens)
                 if n:
                     plan[req.request_id] = n
+                    planned.append(req)
+                    num_tokens += n
         # Allocate the most important first. A victim is then never a request that already
         # got blocks this step: those blocks may be hashed for the prefix cache already, and
         # dropping the chunk would leave cached blocks whose KV is never computed.
-        preempted = False
-        planned = [r for r in self._running if r.request_id in plan]
+        preempted: set[str] = set()
         for req in sorted(planned, key=self._victim_key):
-            if req not in self._running:
+            if req.request_id in preempted:
                 continue  # preempted as a victim earlier in this loop
             n = plan[req.request_id]
             while self.kv.allocate_slots(req, n) is None:
@@ -155,12 +163,12 @@ class Scheduler:
                     self.finish_request(req.request_id, FinishReason.ERROR, error=error)
                     break
                 self._preempt(victim, out)
-                preempted = True
+                preempted.add(victim.request_id)
                 if victim is req:
                     break
             else:
                 scheduled[req.request_id] = n
-        return preempted
+        return bool(preempted)
 
     def _victim_key(self, r: Request) -> tuple[bool, int, float]:
         """Larger is preempted first: backpressured, then lowest priority, then latest arrival."""
@@ -206,7 +214,7 @@ class Scheduler:
         pool = self.kv.pool
         while self._swapped and len(self._running) < self.config.max_num_seqs:
             req = self._swapped[0]
-            n = self._chunk_size(req, scheduled)
+            n = self._chunk_size(req, len(scheduled), sum(scheduled.values()))
             # Room for every block up to the chunk's end, else it would be swapped straight out.
             room = pool.num_free + pool.num_cached >= self.kv.blocks_for(
                 req.num_computed_tokens + n
@@ -242,7 +250,7 @@ class Scheduler:
                     continue
             computed, num_cached = self.kv.get_computed_blocks(req)
             req.num_computed_tokens = num_cached
-            n = self._chunk_size(req, scheduled)
+            n = self._chunk_size(req, len(scheduled), sum(scheduled.values()))
             if n == 0 or self.kv.allocate_slots(req, n, computed) is None:
                 req.num_computed_tokens = 0
                 return  # FCFS: nobody behind overtakes the head on blocks or budget
@@ -266,7 +274,8 @@ class Scheduler:
         for chunk in out.chunks:
             parent = self._requests.get(chunk.request_id)
             # Children forked during this step ride on their parent's chunk.
-            for req in [parent, *self._riders.pop(chunk.request_id, [])]:
+            riders = self._riders.pop(chunk.request_id, ()) if self._riders else ()
+            for req in (parent, *riders):
                 if req is None or req.is_finished:
                     continue  # ended while the step ran; its token is dropped
                 req.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
