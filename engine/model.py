@@ -30,7 +30,13 @@ _MKLDNN_BF16 = (
 class Linear:
     """``y = x W^T + b``. On CPU in bf16 the weight is prepacked once into oneDNN's blocked
     layout: plain ``F.linear`` re-packs it on every call, which costs more than the GEMM itself
-    at decode batch sizes (same results, bit for bit)."""
+    at decode batch sizes (same results, bit for bit).
+
+    The packed path also wins at one row. Measured on the small demo model (2 cores, bf16,
+    163 MB of linear weights per decode step): packed 6.9-7.5 ms per step, ``torch.mv`` 8.6,
+    ``F.linear`` 11.3, oneDNN off 12.9; hint 1 = hint 64; one thread 13.4. That is ~23 GB/s,
+    near the ~27 GB/s two cores read from DRAM. The rest is ~20 us of fixed oneDNN overhead
+    per call (49 calls)."""
 
     def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
         self.bias = bias
