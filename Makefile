@@ -2,7 +2,6 @@
 #                       make test   (the whole test suite, with lint and type checks)
 VENV := .venv
 STAMP := $(VENV)/.installed
-DEMO := .tandem/demo-tiny
 PROMPT ?= The quick brown fox
 
 .PHONY: setup run test lint pytest bench clean
@@ -29,4 +28,4 @@ bench: $(STAMP)
 	$(VENV)/bin/python -m bench.engine_bench
 
 clean:
-	rm -rf $(VENV) .tandem .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
