@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
+
 Tensor = torch.Tensor
 
 
@@ -49,6 +51,9 @@ class AttentionMetadata:
     # multi-MB tensor per layer costs page faults that rival the copy itself on CPU.
     decode_workspace: Tensor
     prefills: list[PrefillSeq]
+    # [2, num_decode] long: table positions [start, end) each decode attends to. Set only when
+    # the compiled CPU kernel (engine/kernels.py) runs the decodes instead of SDPA.
+    decode_bounds: Tensor | None = None
 
 
 def write_kv(layer_cache: Tensor, kv: Tensor, slots: Tensor) -> None:
@@ -77,6 +82,11 @@ def decode_attention(
     folded into the query-length dim (as transformers does for masked single-token decode):
     each K/V head is then read once for its whole group.
     """
+    if meta.decode_bounds is not None:
+        starts, ends = meta.decode_bounds
+        return kernels.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_blocks, starts, ends, scale
+        )
     b, heads, d = q.shape
     kv_heads = k_cache.shape[2]
     flat = meta.decode_blocks.flatten()

@@ -84,6 +84,12 @@ class EngineConfig(BaseModel):
         "auto", description="compute dtype; auto keeps the checkpoint's"
     )
     device: str = Field("auto", description="'auto' picks cuda when present, else cpu")
+    attention_backend: Literal["sdpa", "cpu_kernel"] = Field(
+        "sdpa",
+        description="decode attention: gather + SDPA, or the compiled C++ paged kernel "
+        "(CPU only; falls back to sdpa when it cannot be built). Experimental: measured at "
+        "parity per layer and slower in the engine so far, hence not the default",
+    )
     seed: int = Field(0, description="seed for requests that give none")
 
     def resolve_device(self) -> torch.device:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from engine import kernels
 from engine.attention import AttentionMetadata, PrefillSeq
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.config import EngineConfig
@@ -50,6 +51,11 @@ class ModelRunner:
             pin_memory=device.type == "cuda",
         )
         self._workspace = torch.empty(self._workspace_shape(0), dtype=mc.dtype, device=device)
+        self.decode_kernel = (
+            config.attention_backend == "cpu_kernel"
+            and device.type == "cpu"
+            and kernels.load() is not None
+        )
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
         mc = self.model_config
@@ -140,13 +146,17 @@ class ModelRunner:
         _, host_pos, _, _, host_firsts, _ = host.split(sizes)
         visible = self._decode_mask(host_pos[: len(decodes)], host_firsts, width)
         input_ids, positions, slot_mapping, rows, _, blocks = host.to(dev).split(sizes)
+        bounds = None
+        if self.decode_kernel:
+            bounds = self._decode_bounds(host_pos[: len(decodes)], host_firsts)
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decode=len(decodes),
             decode_blocks=blocks.view(len(decodes), width),
             decode_mask=visible[:, None, None, :].to(dev),
-            decode_workspace=self._decode_workspace(len(tables)),
+            decode_workspace=self._decode_workspace(0 if self.decode_kernel else len(tables)),
             prefills=seqs,
+            decode_bounds=bounds,
         )
         return input_ids, positions, meta, rows
 
@@ -182,6 +192,16 @@ class ModelRunner:
         if window is not None:
             visible &= q_pos - k_pos < window
         return visible
+
+    def _decode_bounds(self, q_pos: Tensor, firsts: Tensor) -> Tensor:
+        """``[2, B]``: the table positions ``[start, end)`` each decode query attends to (the
+        true entries of its :meth:`_decode_mask` row, which are always one run)."""
+        origin = firsts * self.block_size
+        start = torch.zeros_like(q_pos)
+        window = self.model_config.sliding_window
+        if window is not None:
+            start = (q_pos - window + 1).clamp(min=0) - origin
+        return torch.stack((start, q_pos + 1 - origin))
 
     def _prefill_seq(self, c: ScheduledChunk, row: int) -> PrefillSeq:
         n, start, bs = len(c.token_ids), c.start_pos, self.block_size
