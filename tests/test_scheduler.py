@@ -335,10 +335,11 @@ def test_preemption_by_recompute_restarts_at_zero() -> None:
     assert h.record("B").num_generated == 8 and h.record("B").status is S.FINISHED
 
 
-def test_preemption_by_swap_keeps_computed_tokens() -> None:
+def swap_until_b_is_preempted(num_host_blocks: int) -> tuple[Harness, SchedulerOutput]:
+    """A and B grow in a 6-block pool under swap preemption until B is the victim."""
     h = Harness(
         6,
-        num_host_blocks=8,
+        num_host_blocks=num_host_blocks,
         prefix_caching=False,
         admission_output_tokens=0,
         preemption_mode="swap",
@@ -346,7 +347,11 @@ def test_preemption_by_swap_keeps_computed_tokens() -> None:
     grow_two(h)
     for _ in range(6):
         h.step()
-    out = h.outputs[-1]
+    return h, h.outputs[-1]
+
+
+def test_preemption_by_swap_keeps_computed_tokens() -> None:
+    h, out = swap_until_b_is_preempted(num_host_blocks=8)
     b_blocks = h.outputs[-2].chunks[1].block_table
     assert out.preempted_ids == ["B"]
     assert [d for d, _ in out.swap_out] == b_blocks and len(b_blocks) == 3
@@ -367,17 +372,7 @@ def test_preemption_by_swap_keeps_computed_tokens() -> None:
 
 
 def test_swap_falls_back_to_recompute_when_host_pool_is_full() -> None:
-    h = Harness(
-        6,
-        num_host_blocks=2,
-        prefix_caching=False,
-        admission_output_tokens=0,
-        preemption_mode="swap",
-    )
-    grow_two(h)
-    for _ in range(6):
-        h.step()
-    out = h.outputs[-1]
+    h, out = swap_until_b_is_preempted(num_host_blocks=2)
     assert out.preempted_ids == ["B"] and out.swap_out == []
     assert h.reqs["B"].status is S.PREEMPTED and h.reqs["B"].num_computed_tokens == 0
     h.run()
