@@ -6,8 +6,10 @@ Prints a table, writes JSON and a PNG plot under ``bench/results/``.
     .venv/bin/python -m bench.engine_bench [--sizes small tiny] [--requests 64]
 
 Figures: output tokens/s of Tandem (continuous batching over all N requests) vs transformers
-at batch N (left padded) and at batch 1; decode step time at batch 1/32/64 against this
-machine's roofline (weight bytes / measured copy bandwidth, FLOPs / measured bf16 matmul rate);
+at batch N (left padded) and at batch 1, with the bf16 checkpoint as is and upcast to fp32 (the
+fair baseline where this CPU has no native bf16 GEMM); decode step time at batch 1/32/64 against this
+machine's roofline (weight bytes / measured copy bandwidth, FLOPs / measured matmul rate of the
+GEMM dtype the engine runs: bf16 where native, else fp32 -- see engine/model.py ``Linear``);
 cold start of ``tandem generate`` (process start to first token).
 """
 
@@ -25,6 +27,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.model import WIDEN_MIN_ROWS, default_linear_mode
 from engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -100,8 +103,20 @@ def decode_step_time(engine: LLMEngine, batch: int, ctx: int, vocab: int, steps:
     return sorted(times)[len(times) // 2]
 
 
+def _matmul_rate(dtype: torch.dtype) -> float:
+    a = torch.randn(2048, 2048, dtype=dtype)
+    b = torch.randn(2048, 2048, dtype=dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return 2 * 2048**3 / best
+
+
 def machine_rates() -> dict[str, float]:
-    """Measured copy bandwidth (bytes/s) and bf16 matmul rate (FLOP/s) of this machine."""
+    """Measured copy bandwidth (bytes/s) and bf16 / fp32 matmul rates (FLOP/s) of this machine."""
     x = torch.empty(256 * 2**20, dtype=torch.uint8)
     x.fill_(1)
     y = torch.empty_like(x)
@@ -110,20 +125,24 @@ def machine_rates() -> dict[str, float]:
         t0 = time.perf_counter()
         y.copy_(x)
         best = min(best, time.perf_counter() - t0)
-    copy_bw = 2 * x.numel() / best  # read + write
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    b = torch.randn(2048, 2048, dtype=torch.bfloat16)
-    a @ b
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t0)
-    return {"copy_bytes_per_s": copy_bw, "bf16_flops_per_s": 2 * 2048**3 / best}
+    return {
+        "copy_bytes_per_s": 2 * x.numel() / best,  # read + write
+        "bf16_flops_per_s": _matmul_rate(torch.bfloat16) if native_bf16_gemm() else 0.0,
+        "fp32_flops_per_s": _matmul_rate(torch.float32),
+    }
+
+
+def native_bf16_gemm() -> bool:
+    """Whether bf16 GEMMs run natively here (else emulated ~10x slower than fp32, and Tandem
+    runs its bf16 GEMMs in fp32: engine/model.py ``Linear``). An emulated 2048^3 bf16 matmul
+    takes minutes, so it is only timed where native."""
+    return default_linear_mode(torch.zeros(1, dtype=torch.bfloat16)) == "packed"
 
 
 def roofline_step(engine: LLMEngine, batch: int, ctx: int, rates: dict[str, float]) -> float:
-    """Lower bound of a decode step: max(bytes moved / bandwidth, FLOPs / matmul rate)."""
+    """Lower bound of a decode step: max(bytes moved / bandwidth, FLOPs / matmul rate), for the
+    GEMM path the engine takes here (bf16 weights natively, or fp32 weights where bf16 GEMMs
+    would be emulated). A few-row step on the emulated path is bandwidth-bound (bf16 bytes)."""
     mc = engine.model_config
     h, q, kv = (
         mc.hidden_size,
@@ -133,15 +152,16 @@ def roofline_step(engine: LLMEngine, batch: int, ctx: int, rates: dict[str, floa
     # Weights a decode step reads: every layer's projections and MLP, plus the LM head.
     params = mc.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * mc.intermediate_size)
     params += mc.vocab_size * h
-    weight_bytes = params * torch.tensor([], dtype=mc.dtype).element_size()
+    widened = mc.dtype == torch.bfloat16 and not native_bf16_gemm() and batch > WIDEN_MIN_ROWS
+    weight_bytes = params * (4 if widened else torch.tensor([], dtype=mc.dtype).element_size())
+    key = "fp32_flops_per_s" if widened or mc.dtype == torch.float32 else "bf16_flops_per_s"
+    rate = rates[key] or rates["fp32_flops_per_s"]  # emulated bf16 (untimed): bandwidth-bound
     kv_bytes = batch * ctx * mc.kv_bytes_per_token
     flops = (
         2 * params * batch
         + 4 * batch * ctx * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim
     )
-    return max(
-        (weight_bytes + kv_bytes) / rates["copy_bytes_per_s"], flops / rates["bf16_flops_per_s"]
-    )
+    return max((weight_bytes + kv_bytes) / rates["copy_bytes_per_s"], flops / rate)
 
 
 def cold_start(model: Path) -> float:
@@ -198,6 +218,11 @@ def bench_size(size: str, n: int, plen: int, olen: int, rates: dict[str, float])
     hf_throughput(hf, prompts[:2], 4, pad)  # warm-up
     h_batch = hf_throughput(hf, prompts, olen, pad)
     h_one = hf_throughput(hf, single, olen, pad)
+    log(f"{size}: transformers, fp32 weights")
+    hf = hf.float()
+    hf_throughput(hf, prompts[:2], 4, pad)
+    h32_batch = hf_throughput(hf, prompts, olen, pad)
+    h32_one = hf_throughput(hf, single, olen, pad)
     del hf
     steps = {}
     for b in (1, 32, 64):
@@ -213,6 +238,11 @@ def bench_size(size: str, n: int, plen: int, olen: int, rates: dict[str, float])
         "tandem_tok_s_1": t_one,
         "hf_tok_s_1": h_one,
         "speedup_1": t_one / h_one,
+        "hf_fp32_tok_s_batch": h32_batch,
+        "hf_fp32_tok_s_1": h32_one,
+        "speedup_batch_vs_fp32": t_batch / h32_batch,
+        "speedup_1_vs_fp32": t_one / h32_one,
+        "gemm_path": default_linear_mode(torch.zeros(1, dtype=torch.bfloat16)),
         "decode_steps": steps,
     }
 
@@ -227,20 +257,27 @@ def main() -> None:
     a = ap.parse_args()
     rates = machine_rates()
     log(
-        f"copy {rates['copy_bytes_per_s'] / 1e9:.1f} GB/s, bf16 matmul {rates['bf16_flops_per_s'] / 1e12:.2f} TFLOP/s"
+        f"copy {rates['copy_bytes_per_s'] / 1e9:.1f} GB/s, matmul bf16 "
+        f"{rates['bf16_flops_per_s'] / 1e9:.0f} GFLOP/s (0 = emulated, not timed), "
+        f"fp32 {rates['fp32_flops_per_s'] / 1e9:.0f} GFLOP/s"
     )
     rows = [bench_size(s, a.requests, a.prompt_len, a.output_len, rates) for s in a.sizes]
     result: dict = {"machine": rates, "workload": vars(a), "models": rows}
     if not a.no_cold_start and "small" in a.sizes:
         log("cold start of `tandem generate` on small")
         result["cold_start_small_s"] = cold_start(ensure_model("small"))
+    print(f"\nGEMM path for bf16 here: {rows[0]['gemm_path']} (engine/model.py Linear)")
     print(
-        f"\n{'model':<6} {'tandem tok/s':>13} {'hf tok/s':>10} {'x':>6} | {'tandem b1':>9} {'hf b1':>7} {'x':>6}"
+        f"\n{'model':<6} {'tandem tok/s':>13} {'hf bf16':>8} {'x':>6} {'hf fp32':>8} {'x':>6} | "
+        f"{'tandem b1':>9} {'hf bf16':>8} {'x':>6} {'hf fp32':>8} {'x':>6}"
     )
     for r in rows:
         print(
-            f"{r['size']:<6} {r['tandem_tok_s_batch']:>13.1f} {r['hf_tok_s_batch']:>10.1f} {r['speedup_batch']:>6.2f} | "
-            f"{r['tandem_tok_s_1']:>9.1f} {r['hf_tok_s_1']:>7.1f} {r['speedup_1']:>6.2f}"
+            f"{r['size']:<6} {r['tandem_tok_s_batch']:>13.1f} {r['hf_tok_s_batch']:>8.1f} "
+            f"{r['speedup_batch']:>6.2f} {r['hf_fp32_tok_s_batch']:>8.1f} "
+            f"{r['speedup_batch_vs_fp32']:>6.2f} | {r['tandem_tok_s_1']:>9.1f} "
+            f"{r['hf_tok_s_1']:>8.1f} {r['speedup_1']:>6.2f} {r['hf_fp32_tok_s_1']:>8.1f} "
+            f"{r['speedup_1_vs_fp32']:>6.2f}"
         )
     print(f"\n{'model':<6} {'batch':>5} {'step ms':>8} {'roofline ms':>12} {'ratio':>6}")
     for r in rows:
@@ -265,8 +302,10 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(1, 2, figsize=(10, 4))
     labels = [r["size"] for r in rows]
     xs = range(len(rows))
-    ax[0].bar([x - 0.2 for x in xs], [r["tandem_tok_s_batch"] for r in rows], 0.4, label="Tandem")
-    ax[0].bar([x + 0.2 for x in xs], [r["hf_tok_s_batch"] for r in rows], 0.4, label="transformers")
+    bars = [("tandem_tok_s_batch", "Tandem"), ("hf_tok_s_batch", "transformers bf16")]
+    bars.append(("hf_fp32_tok_s_batch", "transformers fp32"))
+    for i, (key, label) in enumerate(bars):
+        ax[0].bar([x + (i - 1) * 0.27 for x in xs], [r[key] for r in rows], 0.27, label=label)
     ax[0].set_xticks(list(xs), labels)
     ax[0].set_ylabel("output tokens/s (batch)")
     ax[0].legend()

@@ -9,7 +9,9 @@ compute dtype, softmax in fp32.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,36 +22,72 @@ from engine.config import ModelConfig
 Tensor = torch.Tensor
 
 
-_MKLDNN_BF16 = (
-    torch.backends.mkldnn.is_available()
-    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+_MKLDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(
+    torch.ops.mkldnn, "_reorder_linear_weight"
 )
+_MKLDNN_BF16 = _MKLDNN_FP32 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+LinearMode = Literal["packed", "widen", "plain"]
+WIDEN_MIN_ROWS = 4  # "widen" GEMMs of at most this many rows read the bf16 weight (see Linear)
+
+
+def default_linear_mode(weight: Tensor) -> LinearMode:
+    """The GEMM path for a weight on this machine (see :class:`Linear`)."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        return "plain"
+    return "packed" if _MKLDNN_BF16 else "widen"
 
 
 class Linear:
-    """``y = x W^T + b``. On CPU in bf16 the weight is prepacked once into oneDNN's blocked
-    layout: plain ``F.linear`` re-packs it on every call, which costs more than the GEMM itself
-    at decode batch sizes (same results, bit for bit).
+    """``y = x W^T + b`` by the fastest GEMM this machine has for the weight's dtype.
 
-    The packed path also wins at one row. Measured on the small demo model (2 cores, bf16,
-    163 MB of linear weights per decode step): packed 6.9-7.5 ms per step, ``torch.mv`` 8.6,
-    ``F.linear`` 11.3, oneDNN off 12.9; hint 1 = hint 64; one thread 13.4. That is ~23 GB/s,
-    near the ~27 GB/s two cores read from DRAM. The rest is ~20 us of fixed oneDNN overhead
-    per call (49 calls)."""
+    * ``packed`` -- bf16 where oneDNN has native bf16 matmul (AVX512-BF16 / AMX): the weight is
+      prepacked once into oneDNN's blocked layout. Plain ``F.linear`` re-packs it on every
+      call, which costs more than the GEMM itself at decode batch sizes (same results, bit for
+      bit). Measured on the small demo model (Xeon with AMX, 2 cores, 163 MB of linear weights
+      per decode step): packed 6.9-7.5 ms per step, ``torch.mv`` 8.6, ``F.linear`` 11.3.
+    * ``widen`` -- bf16 without it (AVX2-only CPUs): torch emulates bf16 GEMMs at ~18 GFLOP/s
+      where fp32 runs at 110-170 (measured on a 2-core EPYC), so an fp32 copy of the weight
+      serves batches over ``WIDEN_MIN_ROWS`` rows: bf16 inputs widen exactly, the sum
+      accumulates in fp32 and the output is rounded to bf16 -- what a native bf16 GEMM
+      computes, up to summation order. A few rows are memory-bound, and there the bf16 weight
+      (half the bytes) wins: small model, one decode step, bf16 / fp32 weights: 1 row 9.9 / 24
+      ms, 4 rows 34 / 43, 8 rows 66 / 57. Three times the bf16 weight memory in all.
+    * ``plain`` -- anything else (fp32, CUDA): ``F.linear``.
+    """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None) -> None:
+    def __init__(self, weight: Tensor, bias: Tensor | None, mode: LinearMode | None = None):
+        self.mode = mode or default_linear_mode(weight)
         self.bias = bias
         self.weight: Tensor | None = weight
         self.packed: Tensor | None = None
-        if weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and _MKLDNN_BF16:
+        if self.mode == "packed":
             # The second argument is the expected row count; it only tunes the layout.
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
             self.weight = None  # the packed copy replaces it
+        self.wide: Tensor | None = None
+        self.wide_bias: Tensor | None = None
+        if self.mode == "widen":
+            # oneDNN's prepacked fp32 weight: ~15% faster than MKL's F.linear at 64 rows.
+            self.wide = (
+                torch.ops.mkldnn._reorder_linear_weight(weight.float(), 64)
+                if _MKLDNN_FP32
+                else weight.float()
+            )
+            self.wide_bias = None if bias is None else bias.float()
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.wide is not None and x.shape[0] > WIDEN_MIN_ROWS:
+            if self.wide.is_mkldnn:
+                y = torch.ops.mkldnn._linear_pointwise(
+                    x.float(), self.wide, self.wide_bias, "none", [], ""
+                )
+            else:
+                y = F.linear(x.float(), self.wide, self.wide_bias)
+            return y.to(x.dtype)
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 
@@ -151,8 +189,10 @@ class DecoderModel:
         meta: AttentionMetadata,
         kv_cache: Tensor,
         sample_rows: Tensor,
+        layer_hook: Callable[[int], None] | None = None,
     ) -> Tensor:
-        """Run all T tokens through the decoder, writing their K/V into ``kv_cache``.
+        """Run all T tokens through the decoder, writing their K/V into ``kv_cache``
+        (``layer_hook(layer)`` runs as soon as a layer's K/V is written).
 
         Args:
             input_ids, positions: ``[T]`` long, rows ordered as ``meta`` describes.
@@ -175,6 +215,8 @@ class DecoderModel:
             qkv = w.qkv(x).view(t, heads + 2 * kv_heads, c.head_dim)
             apply_rotary_(qkv[:, : heads + kv_heads], cos, sin)  # q and k in one pass
             write_kv(kv_cache[layer], qkv[:, heads:], meta.slot_mapping)
+            if layer_hook is not None:
+                layer_hook(layer)
             q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
             k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
             h = h + w.o(self._attention(q, k, v, k_cache, v_cache, meta))
