@@ -17,7 +17,8 @@ from engine.request import Request, RequestStatus
 
 @dataclass(frozen=True)
 class AdmissionResult:
-    """Phase-2 admission outcome: QUEUED, DEGRADED or REJECTED, and why when not plain QUEUED."""
+    """Phase-2 admission outcome: QUEUED, DEGRADED, WAITING_FOR_KV (an imported request) or
+    REJECTED, and why when not plain QUEUED."""
 
     status: RequestStatus
     reason: str | None = None
@@ -34,7 +35,7 @@ class Admission:
 
     def hard_limit(self, req: Request) -> str | None:
         """Why ``req`` can never run here (the reason names the limit), or None."""
-        n = req.num_prompt_tokens
+        n = req.num_tokens  # the prompt, plus the output so far of a migrated request
         if n > self.max_model_len:
             return f"prompt has {n} tokens, more than max_model_len={self.max_model_len}"
         need = self.kv.blocks_for(n)
@@ -64,7 +65,7 @@ class Admission:
             f"({self.kv.reservable_tokens()} tokens reservable)"
         )
 
-    def reserve(self, req: Request) -> int | None:
+    def reserve(self, req: Request, allow_degrade: bool = True) -> int | None:
         """Reserve KV for ``req``; returns the tokens reserved, or None if nothing fits.
 
         The degrade policy settles for the largest reservation that fits, >= prompt + 1,
@@ -73,7 +74,8 @@ class Admission:
         rid = req.request_id
         target = self.target_tokens(req)
         reserved: int | None = target if self.kv.reserve(rid, target) else None
-        if reserved is None and self.config.admission_policy == "degrade":
+        degrade = allow_degrade and self.config.admission_policy == "degrade"
+        if reserved is None and degrade:
             fit = min(self.kv.reservable_tokens(), target)
             if fit >= min(req.num_tokens + 1, target) and self.kv.reserve(rid, fit):
                 reserved = fit

@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Hashable
 
+from engine.kv_events import KVEvent, KVEventKind
+
 
 class KVInvariantError(AssertionError):
     """A KV bookkeeping invariant broke (double free, leak, inconsistent hash map)."""
@@ -35,6 +37,30 @@ class BlockPool:
         self._block_hash: dict[int, int] = {}
         # Full content key per cached block, so a 64-bit hash collision is a miss, not a hit.
         self._block_key: dict[int, Hashable] = {}
+        # Hashes that entered / left the prefix cache since take_events(); None = not recorded
+        # (only a worker that reports to a router turns this on).
+        self._events: list[KVEvent] | None = None
+
+    def record_events(self) -> None:
+        """Start recording STORED / REMOVED events for :meth:`take_events`."""
+        if self._events is None:
+            self._events = []
+
+    def take_events(self) -> list[KVEvent]:
+        """The events since the last call, oldest first (runs of one kind merged)."""
+        if self._events is None:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def _event(self, kind: KVEventKind, block_hash: int) -> None:
+        if self._events is None:
+            return
+        if self._events and self._events[-1].kind is kind:
+            last = self._events[-1]
+            self._events[-1] = KVEvent(kind, (*last.block_hashes, block_hash))
+        else:
+            self._events.append(KVEvent(kind, (block_hash,)))
 
     @property
     def num_free(self) -> int:
@@ -118,6 +144,7 @@ class BlockPool:
         self._hash_to_block[block_hash] = block_id
         self._block_hash[block_id] = block_hash
         self._block_key[block_id] = key
+        self._event(KVEventKind.STORED, block_hash)
         return True
 
     def lookup(self, block_hash: int, key: Hashable = None) -> int | None:
@@ -134,8 +161,10 @@ class BlockPool:
         self._uncache(block_id)
 
     def _uncache(self, block_id: int) -> None:
-        del self._hash_to_block[self._block_hash.pop(block_id)]
+        block_hash = self._block_hash.pop(block_id)
+        del self._hash_to_block[block_hash]
         del self._block_key[block_id]
+        self._event(KVEventKind.REMOVED, block_hash)
 
     def check(self) -> None:
         """Conservation and consistency; raises KVInvariantError on the first violation."""

@@ -22,7 +22,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, RequestStatus, TerminalRecord
-from engine.sampler import Sampler, SamplingState, TokenLogprobs
+from engine.sampler import Sampler, SamplingSnapshot, SamplingState, TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
@@ -58,6 +58,8 @@ class CompletionOutput:
     record: TerminalRecord
     logprobs: list[TokenLogprobs] | None
     timing: dict[str, Any] = field(default_factory=dict)
+    # Prefill-only requests: the sampler state after the last token, for the decode worker.
+    sampler_snapshot: SamplingSnapshot | None = None
 
 
 @dataclass
@@ -128,19 +130,104 @@ class LLMEngine:
         priority: int = 0,
         deadline: float | None = None,
         cache_salt: str = "",
+        prefill_only: bool = False,
+        resume_output: Sequence[int] = (),
+        sampler_snapshot: SamplingSnapshot | None = None,
     ) -> str:
-        """Tokenise, validate and admit one request. Raises RequestRejected or ValueError."""
+        """Tokenise, validate and admit one request. Raises RequestRejected or ValueError.
+
+        Disaggregation: ``prefill_only`` ends the request HANDED_OFF after its first token with
+        its KV leased (:meth:`release_kv`). A migrated request passes the tokens already
+        streamed as ``resume_output`` (recomputed with the prompt, counted as output) and the
+        sampler state after them as ``sampler_snapshot``, so it continues exactly.
+        """
+        if prefill_only and params.n > 1:
+            raise ValueError("prefill_only requests take n=1 (the router fans out n > 1)")
+        req = self._new_request(
+            prompt, params, request_id, arrival_time, priority, deadline, cache_salt
+        )
+        req.prefill_only = prefill_only
+        req.output_token_ids = self._checked_ids(resume_output, "resumed")
+        result = self.scheduler.add_request(req)
+        if result.status == RequestStatus.REJECTED:
+            raise RequestRejected(f"request {req.request_id}: {result.reason}")
+        self._track(req, index=0, snapshot=sampler_snapshot)
+        return req.request_id
+
+    def add_imported(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        output_token_ids: Sequence[int],
+        *,
+        request_id: str,
+        sampler_snapshot: SamplingSnapshot | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        deadline: float | None = None,
+        cache_salt: str = "",
+    ) -> list[int]:
+        """Disaggregated decode side: admit a request whose KV for every token but the last
+        output token comes from a prefill worker. Returns the block ids to write that KV into
+        (in position order); the request waits until :meth:`finish_import`. Raises
+        RequestRejected when no slot or blocks are free here (try another decode worker)."""
+        if not output_token_ids:
+            raise ValueError("an imported request carries at least its first token")
+        if params.n > 1:
+            raise ValueError("imported requests take n=1")
+        req = self._new_request(
+            prompt_token_ids, params, request_id, arrival_time, priority, deadline, cache_salt
+        )
+        req.output_token_ids = self._checked_ids(output_token_ids, "output")
+        result = self.scheduler.add_imported(req, req.num_tokens - 1)
+        if result.status == RequestStatus.REJECTED:
+            raise RequestRejected(f"request {req.request_id}: {result.reason}")
+        self._track(req, index=0, snapshot=sampler_snapshot)
+        return self.kv.block_table(req.request_id)
+
+    def finish_import(self, request_id: str, error: str | None = None) -> None:
+        """The imported KV is in place and verified (``error`` None): start decoding. With an
+        ``error`` the request ends FAILED and its blocks are reclaimed next step."""
+        if error is None:
+            self.scheduler.kv_ready(request_id)
+        else:
+            self.scheduler.finish_request(request_id, FinishReason.ERROR, error=error)
+
+    def sampler_snapshot(self, request_id: str) -> SamplingSnapshot:
+        """The live request's sampler state after its latest token (what a migration carries)."""
+        return self._seqs[request_id].sampling.snapshot()
+
+    def release_kv(self, request_id: str) -> bool:
+        """End the lease on a handed-off request's blocks; False if already released."""
+        if request_id not in self.kv.leased_ids:
+            return False
+        return self.kv.free(request_id)
+
+    def _checked_ids(self, token_ids: Sequence[int], what: str) -> list[int]:
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"{what} token id outside the vocabulary (size {vocab})")
+        return list(token_ids)
+
+    def _new_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        request_id: str | None,
+        arrival_time: float | None,
+        priority: int,
+        deadline: float | None,
+        cache_salt: str,
+    ) -> Request:
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("empty prompt")
         params.validate_vocab(self.model_config.vocab_size)
-        vocab = self.model_config.vocab_size
-        if any(not 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt token id outside the vocabulary (size {vocab})")
+        token_ids = self._checked_ids(token_ids, "prompt")
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        if rid in self._seqs:
+        if rid in self._seqs or rid in self.kv.leased_ids:
             raise ValueError(f"duplicate request id {rid!r}")
-        req = Request(
+        return Request(
             request_id=rid,
             prompt_token_ids=token_ids,
             sampling_params=params,
@@ -150,23 +237,27 @@ class LLMEngine:
             cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids,
         )
-        result = self.scheduler.add_request(req)
-        if result.status == RequestStatus.REJECTED:
-            raise RequestRejected(f"request {rid}: {result.reason}")
-        self._track(req, index=0)
-        return rid
 
-    def _track(self, req: Request, index: int) -> None:
-        self._seqs[req.request_id] = _Sequence(
+    def _track(self, req: Request, index: int, snapshot: SamplingSnapshot | None = None) -> None:
+        params = req.sampling_params
+        if snapshot is None:
+            sampling = SamplingState.for_request(req, self.config.seed, sample_index=index)
+        else:
+            sampling = SamplingState.restore(
+                snapshot, params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids
+            )
+        seq = _Sequence(
             request=req,
             index=index,
-            sampling=SamplingState.for_request(req, self.config.seed, sample_index=index),
-            detok=TextStream(
-                self.tokenizer,
-                req.sampling_params.stop,
-                req.sampling_params.include_stop_str_in_output,
-            ),
+            sampling=sampling,
+            detok=TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output),
         )
+        # Output carried over from another worker: its text went out there; prime the stream
+        # so stop strings spanning the boundary still match.
+        for token in req.output_token_ids:
+            seq.detok.step(token)
+        req.num_emitted = seq.detok.num_emitted
+        self._seqs[req.request_id] = seq
 
     def abort(self, request_id: str) -> None:
         """Cancel a request (client went away); its KV is reclaimed at the next tick."""
@@ -265,6 +356,7 @@ class LLMEngine:
                 finish_reason=reason,
                 record=record,
                 logprobs=seq.logprobs if req.sampling_params.logprobs is not None else None,
+                sampler_snapshot=seq.sampling.snapshot() if req.prefill_only else None,
                 timing={
                     "ttft_s": metrics.ttft(req.times),
                     "tpot_s": metrics.tpot(req.times),

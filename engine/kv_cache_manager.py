@@ -40,6 +40,21 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_keys: tu
     return xxhash.xxh3_64_intdigest(packed)
 
 
+def prefix_hashes(
+    token_ids: Sequence[int], block_size: int, cache_salt: str, model_id: str
+) -> list[int]:
+    """The hash chain of every FULL block of ``token_ids``: what an engine keys those blocks by
+    in its prefix cache, and so what a router matches KV events against."""
+    hashes: list[int] = []
+    parent: int | None = None
+    for i in range(len(token_ids) // block_size):
+        parent = hash_block(
+            parent, token_ids[i * block_size : (i + 1) * block_size], (cache_salt, model_id)
+        )
+        hashes.append(parent)
+    return hashes
+
+
 def token_slice(request: Request, start: int, end: int) -> list[int]:
     """``request.all_token_ids[start:end]`` without concatenating prompt and output first
     (that copy of every token, per sequence per step, dominated the decode bookkeeping)."""
@@ -113,6 +128,7 @@ class KVCacheManager:
         # Blocks each request newly cached this step: their KV is only computed by the
         # step's forward, so a same-step preemption must take them back out of the cache.
         self._step_cached: dict[str, list[int]] = {}
+        self._leased: set[str] = set()  # ended requests whose blocks a decode worker still needs
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -176,14 +192,20 @@ class KVCacheManager:
     # -- physical allocation at scheduling --
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[int] | None = None,
+        *,
+        cache: bool = True,
     ) -> list[int] | None:
         """Grow the request's table to cover num_computed_tokens + num_new_tokens positions.
 
         ``computed_blocks`` (first call only) are prefix hits, incref'd into the table. A
         shared block that the new tokens write into is copied first (CoW; the pair goes to
-        take_pending_copies). Blocks that become full are hashed and cached. Returns the
-        newly taken block ids, or None, having changed nothing, if blocks run short.
+        take_pending_copies). Blocks that become full are hashed and cached, unless ``cache``
+        is False (KV arriving from another worker: :meth:`cache_computed` once it is checked).
+        Returns the newly taken block ids, or None, having changed nothing, if blocks run short.
         """
         rid = request.request_id
         seq = self._seqs.get(rid)
@@ -217,9 +239,17 @@ class KVCacheManager:
             new_blocks = self._take_blocks(table, cow, num_grow, start)
         seq.num_slots = max(seq.num_slots, end)
         num_full = min(end, request.num_tokens) // bs
-        if self.enable_prefix_caching and num_full > len(seq.block_hashes):
+        if cache and self.enable_prefix_caching and num_full > len(seq.block_hashes):
             self._cache_full_blocks(request, seq, num_full)
         return new_blocks
+
+    def cache_computed(self, request: Request) -> None:
+        """Register the full blocks of the request's computed tokens in the prefix cache (for
+        KV written from outside the forward, after it was verified)."""
+        seq = self._seqs.get(request.request_id)
+        num_full = request.num_computed_tokens // self.block_size
+        if seq is not None and self.enable_prefix_caching and num_full > len(seq.block_hashes):
+            self._cache_full_blocks(request, seq, num_full)
 
     def _take_blocks(
         self, table: list[int], cow: list[int], num_grow: int, start: int
@@ -302,12 +332,28 @@ class KVCacheManager:
 
     # -- freeing and preemption (seed §1.7, §4.4) --
 
+    def lease(self, request_id: str) -> list[int]:
+        """Keep an ended request's device blocks for a transfer (prefill side of
+        disaggregation); drops its reservation. The blocks stay in use until :meth:`free`, which
+        the lease's release calls exactly once. Returns the block table."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.host_blocks:
+            raise ValueError(f"lease: request {request_id} holds no device blocks")
+        self._reserved.pop(request_id, None)
+        self._leased.add(request_id)
+        return list(seq.blocks)
+
+    @property
+    def leased_ids(self) -> frozenset[str]:
+        return frozenset(self._leased)
+
     def free(self, request_id: str) -> bool:
         """THE freeing path: drop all device and host blocks and the reservation.
 
         Blocks are released tail first so the LRU evicts the deepest prefix blocks first.
         Idempotent: returns False, changing nothing, when the request holds nothing.
         """
+        self._leased.discard(request_id)
         seq = self._seqs.pop(request_id, None)
         reserved = self._reserved.pop(request_id, None)
         if seq is not None:

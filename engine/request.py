@@ -7,6 +7,7 @@
       │   DEGRADED │            v   │          v
       │            └──── PREEMPTED / SWAPPED <─┘
       └──> WAITING_FOR_KV ──> DECODING            (disaggregated decode side)
+    prefill side: DECODING ──> FINISHED (HANDED_OFF) after the first token, KV kept under a lease
 
     any non-terminal ──> CANCELLED | TIMED_OUT | FAILED
     PREFILLING | DECODING | BACKPRESSURED ──> FINISHED
@@ -93,6 +94,9 @@ class FinishReason(enum.Enum):
     DEADLINE = "deadline"
     ERROR = "error"
     REJECTED = "rejected"
+    # Disaggregated prefill side: the first token is out and the KV is leased to a decode
+    # worker, which continues the request. Never reaches a client.
+    HANDED_OFF = "handed_off"
 
     @property
     def openai(self) -> str:
@@ -115,6 +119,7 @@ _OPENAI_REASON = {
     FinishReason.DEADLINE: "timeout",
     FinishReason.ERROR: "error",
     FinishReason.REJECTED: "rejected",
+    FinishReason.HANDED_OFF: "handed_off",
 }
 _REASON_STATUS = {
     FinishReason.CANCELLED: RequestStatus.CANCELLED,
@@ -166,6 +171,8 @@ class Request:
     deadline: float | None = None  # absolute time.time(); None means no deadline
     cache_salt: str = ""  # tenant salt: prefix-cache hits only within one salt
     eos_token_ids: frozenset[int] = frozenset()
+    # Disaggregated prefill: end HANDED_OFF after the first token, keeping the KV (leased).
+    prefill_only: bool = False
 
     status: RequestStatus = RequestStatus.QUEUED
     output_token_ids: list[int] = field(default_factory=list)

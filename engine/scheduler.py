@@ -76,6 +76,43 @@ class Scheduler:
             return AdmissionResult(S.DEGRADED, f"degraded: reserved {reserved} of {target} tokens")
         return AdmissionResult(S.QUEUED)
 
+    def add_imported(self, req: Request, num_kv_tokens: int) -> AdmissionResult:
+        """Disaggregated decode side: admit ``req`` whose first ``num_kv_tokens`` positions
+        were computed elsewhere. Blocks for them are taken now (uncached until verified) and
+        the request waits in WAITING_FOR_KV, holding a batch slot, until :meth:`kv_ready`.
+        No queueing: without a slot, a full reservation or the blocks, it is REJECTED (the
+        router picks another decode worker)."""
+        rid = req.request_id
+        if rid in self._requests:
+            raise ValueError(f"request {rid} is already in the scheduler")
+        if not 0 < num_kv_tokens < req.num_tokens:
+            raise ValueError(f"request {rid}: num_kv_tokens={num_kv_tokens} of {req.num_tokens}")
+        self._requests[rid] = req
+        limit = self.admission.hard_limit(req)
+        if limit is not None:
+            return self._reject(req, limit)
+        if len(self._running) >= self.config.max_num_seqs:
+            return self._reject(req, f"all {self.config.max_num_seqs} batch slots are taken")
+        if self.admission.reserve(req, allow_degrade=False) is None:
+            return self._reject(req, self.admission.no_fit(req))
+        if self.kv.allocate_slots(req, num_kv_tokens, cache=False) is None:
+            return self._reject(req, f"{self.kv.blocks_for(num_kv_tokens)} KV blocks not free")
+        req.num_computed_tokens = num_kv_tokens
+        req.times.queued = req.times.first_scheduled = self.clock()
+        req.transition(S.WAITING_FOR_KV)
+        self._running.append(req)
+        return AdmissionResult(S.WAITING_FOR_KV)
+
+    def kv_ready(self, request_id: str) -> None:
+        """The imported KV is written and verified: cache its full blocks and decode."""
+        req = self._requests.get(request_id)
+        if req is None or req.is_finished:
+            return  # ended (cancel, deadline) while the KV was in flight
+        if req.status is not S.WAITING_FOR_KV:
+            raise ValueError(f"kv_ready: request {request_id} is {req.status.name}")
+        self.kv.cache_computed(req)
+        req.transition(S.DECODING)
+
     def _reject(self, req: Request, reason: str) -> AdmissionResult:
         self.finish_request(req.request_id, FinishReason.REJECTED, error=reason)
         self.reclaim(req.request_id)
@@ -141,7 +178,7 @@ class Scheduler:
         planned: list[Request] = []
         num_tokens = 0
         for req in self._running:
-            if not req.is_finished and req.status is not S.BACKPRESSURED:
+            if not req.is_finished and req.status not in (S.BACKPRESSURED, S.WAITING_FOR_KV):
                 n = self._chunk_size(req, len(plan), num_tokens)
                 if n:
                     plan[req.request_id] = n
@@ -181,7 +218,12 @@ class Scheduler:
         Another request is preferred; ``req`` itself is returned only when every other one is
         more important, or already has its blocks for this step.
         """
-        others = [r for r in self._running if r is not req and not r.is_finished]
+        # A request waiting for KV is never a victim: a transfer is writing into its blocks.
+        others = [
+            r
+            for r in self._running
+            if r is not req and not r.is_finished and r.status is not S.WAITING_FOR_KV
+        ]
         if not others:
             return None
         # Reversed: on a tie, max() keeps the first seen, i.e. the one admitted last.
@@ -288,6 +330,8 @@ class Scheduler:
                     req.transition(S.DECODING)
                 got.append(req)
                 reason = self._stop_reason(req, token)
+                if reason is None and req.prefill_only:
+                    reason = FinishReason.HANDED_OFF
                 if reason is not None:
                     self.finish_request(req.request_id, reason)
                 elif req.request_id in self._backpressured and req.status is S.DECODING:
@@ -338,7 +382,10 @@ class Scheduler:
             return None
         if req.finish_reason is None or req.times.finished is None:
             raise ValueError(f"reclaim of live request {request_id} ({req.status.name})")
-        self.kv.free(request_id)
+        if req.finish_reason is FinishReason.HANDED_OFF:
+            self.kv.lease(request_id)  # the blocks go on to a decode worker; freed on release
+        else:
+            self.kv.free(request_id)
         for queue in (self._running, self._waiting, self._swapped):
             if req in queue:
                 queue.remove(req)

@@ -14,6 +14,7 @@ from engine.kv_cache_manager import (
     KVStats,
     check_kv_heads_divisible,
     hash_block,
+    prefix_hashes,
 )
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -558,3 +559,14 @@ def test_stats_is_a_frozen_snapshot() -> None:
     s = kv.stats()
     with pytest.raises(dataclasses.FrozenInstanceError):
         s.free_blocks = 0  # type: ignore[misc]
+
+
+def test_prefix_hashes_match_the_cache_keys() -> None:
+    """The chain a router computes equals the hashes the manager caches full blocks under."""
+    kv = KVCacheManager(num_blocks=16, block_size=4, model_id="m")
+    r = req("a", list(range(11)), salt="tenant-1")
+    kv.reserve(r, 11)
+    assert prefill(kv, r) is not None
+    stored = [kv.pool.block_hash(b) for b in kv.block_table("a")[:2]]
+    assert stored == prefix_hashes(list(range(11)), 4, "tenant-1", "m")
+    assert prefix_hashes(list(range(11)), 4, "tenant-2", "m")[0] not in stored

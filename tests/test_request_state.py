@@ -112,6 +112,7 @@ def test_finish_reason_maps_to_status_and_openai_reason() -> None:
         FinishReason.DEADLINE: (S.TIMED_OUT, "timeout"),
         FinishReason.ERROR: (S.FAILED, "error"),
         FinishReason.REJECTED: (S.REJECTED, "rejected"),
+        FinishReason.HANDED_OFF: (S.FINISHED, "handed_off"),
     }
     assert {r: (r.status, r.openai) for r in FinishReason} == expected
 
