@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -71,6 +71,7 @@ def _merge(older: list[StreamOutput], newer: list[StreamOutput]) -> list[StreamO
                 finished=o.finished,
                 finish_reason=o.finish_reason,
                 logprobs=None if both_none else (prev.logprobs or []) + (o.logprobs or []),
+                sampler_snapshot=o.sampler_snapshot or prev.sampler_snapshot,
             )
         merged[o.request_id] = o
     return list(merged.values())
@@ -160,11 +161,8 @@ class _Stream:
 @dataclass
 class _Add:
     stream: _Stream
-    prompt: str | Sequence[int]
-    params: SamplingParams
-    priority: int
-    deadline: float | None
-    cache_salt: str
+    admit: Callable[[LLMEngine], Any]  # adds the request under stream.request_id
+    admitted: asyncio.Future[Any] | None = None  # gets admit's result (or its exception)
 
 
 @dataclass
@@ -177,7 +175,14 @@ class _Resume:
     request_id: str
 
 
-_Command = _Add | _Abort | _Resume
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[Any]
+
+
+_Command = _Add | _Abort | _Resume | _Call
 
 
 class AsyncLLMEngine:
@@ -233,18 +238,90 @@ class AsyncLLMEngine:
         priority: int = 0,
         deadline: float | None = None,
         cache_salt: str = "",
+        **disaggregation: Any,
     ) -> AsyncGenerator[StreamOutput, None]:
         """Stream a request's deltas as the engine produces them (all n samples, each ending
         with ``finished=True``). Leaving early (aclose, break, cancellation) aborts it.
+        ``disaggregation``: ``prefill_only``, ``resume_output``, ``sampler_snapshot``,
+        ``snapshots`` of :meth:`LLMEngine.add_request`.
 
         Raises: RequestRejected / ValueError / InvalidSamplingParams from the first
         ``__anext__`` when admission refuses it; EngineDeadError once the engine is dead.
         """
+        rid = self._new_id(request_id)
+
+        def admit(engine: LLMEngine) -> None:
+            engine.add_request(
+                prompt,
+                params,
+                request_id=rid,
+                priority=priority,
+                deadline=deadline,
+                cache_salt=cache_salt,
+                **disaggregation,
+            )
+
+        stream = _Stream(rid, params.n, asyncio.get_running_loop(), self.max_buffered_outputs)
+        self._submit(_Add(stream, admit))
+        async for out in self._consume(stream):
+            yield out
+
+    async def import_request(
+        self,
+        prompt_token_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str,
+        resume_output: Sequence[int] = (),
+        deadline: float | None = None,
+        cache_salt: str = "",
+        snapshots: bool = False,
+    ) -> tuple[list[int], AsyncGenerator[StreamOutput, None]]:
+        """Disaggregated decode side (:meth:`LLMEngine.add_imported`): returns the block ids
+        to write the imported KV into and the request's stream, which starts once
+        :meth:`call` runs ``finish_import``. Raises RequestRejected / ValueError here."""
+        rid = self._new_id(request_id)
+        loop = asyncio.get_running_loop()
+        admitted: asyncio.Future[list[int]] = loop.create_future()
+
+        def admit(engine: LLMEngine) -> list[int]:
+            return engine.add_imported(
+                prompt_token_ids,
+                params,
+                request_id=rid,
+                resume_output=resume_output,
+                deadline=deadline,
+                cache_salt=cache_salt,
+                snapshots=snapshots,
+            )
+
+        stream = _Stream(rid, params.n, loop, self.max_buffered_outputs)
+        self._submit(_Add(stream, admit, admitted))
+        try:
+            blocks = await admitted
+        except BaseException:
+            if not stream.done:  # cancelled while waiting: it may still be admitted
+                self._submit(_Abort(rid))
+            raise
+        return blocks, self._consume(stream)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two ticks; returns its result or
+        raises its exception (EngineDeadError once the engine is dead). For the short
+        bookkeeping workers do (finish an import, release a lease, read KV events)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        self._submit(_Call(fn, loop, future))
+        return await future
+
+    @staticmethod
+    def _new_id(request_id: str | None) -> str:
         if request_id is not None and "#" in request_id:
             raise ValueError(f"request id {request_id!r}: '#' is reserved for n > 1 samples")
-        rid = request_id if request_id is not None else uuid.uuid4().hex
-        stream = _Stream(rid, params.n, asyncio.get_running_loop(), self.max_buffered_outputs)
-        self._submit(_Add(stream, prompt, params, priority, deadline, cache_salt))
+        return request_id if request_id is not None else uuid.uuid4().hex
+
+    async def _consume(self, stream: _Stream) -> AsyncGenerator[StreamOutput, None]:
+        rid = stream.request_id
         try:
             while True:
                 entry, ask_resume = await stream.get()
@@ -321,8 +398,7 @@ class AsyncLLMEngine:
                 self._cond.notify()
                 return
             reason = self._dead
-        if isinstance(command, _Add):
-            command.stream.end(EngineDeadError(reason))
+        _refuse(command, EngineDeadError(reason))
 
     # -- the engine thread ---------------------------------------------------------------------
 
@@ -384,6 +460,14 @@ class AsyncLLMEngine:
         if isinstance(command, _Add):
             self._add(command)
             return
+        if isinstance(command, _Call):
+            try:
+                result = command.fn(self.engine)
+            except Exception as exc:
+                _settle(command.loop, command.future, error=exc)
+            else:
+                _settle(command.loop, command.future, result=result)
+            return
         stream = self._streams.get(command.request_id)
         if stream is None:
             return  # unknown or already ended
@@ -399,18 +483,13 @@ class AsyncLLMEngine:
             stream.end(ValueError(f"duplicate request id {stream.request_id!r}"))
             return
         try:
-            self.engine.add_request(
-                command.prompt,
-                command.params,
-                request_id=stream.request_id,
-                priority=command.priority,
-                deadline=command.deadline,
-                cache_salt=command.cache_salt,
-            )
+            result = command.admit(self.engine)
         except (RequestRejected, ValueError) as exc:
-            stream.end(exc)  # raised from the consumer's first __anext__
+            _refuse(command, exc)  # raised from the consumer's first __anext__ (or the await)
             return
         self._streams[stream.request_id] = stream
+        if command.admitted is not None:
+            _settle(stream.loop, command.admitted, result=result)
 
     def _dispatch(self, outputs: list[StreamOutput]) -> None:
         """Hand each request its tick's deltas; pause full buffers; close ended streams."""
@@ -473,8 +552,7 @@ class AsyncLLMEngine:
             pending = list(self._commands)
             self._commands.clear()
         for command in pending:
-            if isinstance(command, _Add):
-                command.stream.end(EngineDeadError(reason))
+            _refuse(command, EngineDeadError(reason))
         try:
             self.engine.fail_all(reason)
             self._publish()
@@ -492,3 +570,36 @@ class AsyncLLMEngine:
 def _resolve(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_result(None)
+
+
+def _settle(
+    loop: asyncio.AbstractEventLoop,
+    future: asyncio.Future[Any],
+    result: Any = None,
+    error: BaseException | None = None,
+) -> None:
+    """Complete ``future`` from the engine thread (no-op if its caller left or its loop is
+    closed)."""
+
+    def done() -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:
+        pass  # that caller's loop has closed
+
+
+def _refuse(command: _Command, error: BaseException) -> None:
+    """A command that will never run: its waiter gets ``error``."""
+    if isinstance(command, _Add):
+        command.stream.end(error)
+        if command.admitted is not None:
+            _settle(command.stream.loop, command.admitted, error=error)
+    elif isinstance(command, _Call):
+        _settle(command.loop, command.future, error=error)

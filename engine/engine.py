@@ -43,6 +43,9 @@ class StreamOutput:
     finished: bool = False
     finish_reason: str | None = None  # the OpenAI finish_reason once finished
     logprobs: list[TokenLogprobs] | None = None
+    # The sampler state after token_ids, for requests that asked (a migration resumes from it)
+    # and on the final output of a prefill-only request (the decode worker continues from it).
+    sampler_snapshot: SamplingSnapshot | None = None
 
 
 @dataclass
@@ -71,6 +74,7 @@ class _Sequence:
     sampling: SamplingState
     detok: TextStream  # also holds the text emitted so far
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    snapshots: bool = False  # attach the sampler state to every output
 
 
 class LLMEngine:
@@ -133,13 +137,15 @@ class LLMEngine:
         prefill_only: bool = False,
         resume_output: Sequence[int] = (),
         sampler_snapshot: SamplingSnapshot | None = None,
+        snapshots: bool = False,
     ) -> str:
         """Tokenise, validate and admit one request. Raises RequestRejected or ValueError.
 
         Disaggregation: ``prefill_only`` ends the request HANDED_OFF after its first token with
         its KV leased (:meth:`release_kv`). A migrated request passes the tokens already
         streamed as ``resume_output`` (recomputed with the prompt, counted as output) and the
-        sampler state after them as ``sampler_snapshot``, so it continues exactly.
+        sampler state after them as ``sampler_snapshot``, so it continues exactly;
+        ``snapshots`` attaches the sampler state to each of its outputs.
         """
         if prefill_only and params.n > 1:
             raise ValueError("prefill_only requests take n=1 (the router fans out n > 1)")
@@ -151,47 +157,74 @@ class LLMEngine:
         result = self.scheduler.add_request(req)
         if result.status == RequestStatus.REJECTED:
             raise RequestRejected(f"request {req.request_id}: {result.reason}")
-        self._track(req, index=0, snapshot=sampler_snapshot)
+        self._track(req, index=0, snapshot=sampler_snapshot, snapshots=snapshots)
         return req.request_id
 
     def add_imported(
         self,
         prompt_token_ids: Sequence[int],
         params: SamplingParams,
-        output_token_ids: Sequence[int],
         *,
         request_id: str,
-        sampler_snapshot: SamplingSnapshot | None = None,
+        resume_output: Sequence[int] = (),
         arrival_time: float | None = None,
         priority: int = 0,
         deadline: float | None = None,
         cache_salt: str = "",
+        snapshots: bool = False,
     ) -> list[int]:
-        """Disaggregated decode side: admit a request whose KV for every token but the last
-        output token comes from a prefill worker. Returns the block ids to write that KV into
-        (in position order); the request waits until :meth:`finish_import`. Raises
-        RequestRejected when no slot or blocks are free here (try another decode worker)."""
-        if not output_token_ids:
-            raise ValueError("an imported request carries at least its first token")
+        """Disaggregated decode side: admit a request whose KV for every known token (the
+        prompt, plus ``resume_output`` when migrated) is being computed by a prefill worker.
+        Returns the block ids to write that KV into, in position order; the request waits in
+        WAITING_FOR_KV until :meth:`finish_import` brings the token the prefill sampled.
+        Raises RequestRejected when no slot or blocks are free here (try another worker)."""
         if params.n > 1:
             raise ValueError("imported requests take n=1")
         req = self._new_request(
             prompt_token_ids, params, request_id, arrival_time, priority, deadline, cache_salt
         )
-        req.output_token_ids = self._checked_ids(output_token_ids, "output")
-        result = self.scheduler.add_imported(req, req.num_tokens - 1)
+        req.output_token_ids = self._checked_ids(resume_output, "resumed")
+        result = self.scheduler.add_imported(req, req.num_tokens)
         if result.status == RequestStatus.REJECTED:
             raise RequestRejected(f"request {req.request_id}: {result.reason}")
-        self._track(req, index=0, snapshot=sampler_snapshot)
+        self._track(req, index=0, snapshots=snapshots)
         return self.kv.block_table(req.request_id)
 
-    def finish_import(self, request_id: str, error: str | None = None) -> None:
-        """The imported KV is in place and verified (``error`` None): start decoding. With an
-        ``error`` the request ends FAILED and its blocks are reclaimed next step."""
-        if error is None:
-            self.scheduler.kv_ready(request_id)
-        else:
-            self.scheduler.finish_request(request_id, FinishReason.ERROR, error=error)
+    def finish_import(
+        self,
+        request_id: str,
+        *,
+        next_token: int | None = None,
+        sampler_snapshot: SamplingSnapshot | None = None,
+        error: str | None = None,
+    ) -> None:
+        """The imported KV is written and verified: append ``next_token`` (what the prefill
+        sampled after it), take over its sampler state and decode. With an ``error`` the
+        request ends FAILED and its blocks are reclaimed at the next step. A request that
+        already ended (cancel, deadline) is left as it is."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.request.is_finished:
+            return
+        req = seq.request
+        if error is not None or next_token is None:
+            reason = error or "import finished without a token"
+            self.scheduler.finish_request(request_id, FinishReason.ERROR, error=reason)
+            return
+        req.output_token_ids.append(self._checked_ids([next_token], "imported")[0])
+        if sampler_snapshot is not None:
+            params = req.sampling_params
+            seq.sampling = SamplingState.restore(
+                sampler_snapshot,
+                params,
+                req.prompt_token_ids,
+                req.output_token_ids,
+                req.eos_token_ids,
+            )
+        self.scheduler.kv_ready(request_id)
+        # Its text went out from the prefill side; the stream only needs to see it.
+        if seq.detok.step(next_token).stop_matched is not None:
+            self.scheduler.finish_request(request_id, FinishReason.STOP_STRING)
+        req.num_emitted = seq.detok.num_emitted
 
     def sampler_snapshot(self, request_id: str) -> SamplingSnapshot:
         """The live request's sampler state after its latest token (what a migration carries)."""
@@ -238,7 +271,13 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
 
-    def _track(self, req: Request, index: int, snapshot: SamplingSnapshot | None = None) -> None:
+    def _track(
+        self,
+        req: Request,
+        index: int,
+        snapshot: SamplingSnapshot | None = None,
+        snapshots: bool = False,
+    ) -> None:
         params = req.sampling_params
         if snapshot is None:
             sampling = SamplingState.for_request(req, self.config.seed, sample_index=index)
@@ -251,6 +290,7 @@ class LLMEngine:
             index=index,
             sampling=sampling,
             detok=TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output),
+            snapshots=snapshots,
         )
         # Output carried over from another worker: its text went out there; prime the stream
         # so stop strings spanning the boundary still match.
@@ -327,7 +367,10 @@ class LLMEngine:
             self.scheduler.finish_request(req.request_id, FinishReason.STOP_STRING)
         self._record_emits(seq, seq.detok.num_emitted, now)
         lp = seq.logprobs[-1:] if req.sampling_params.logprobs is not None else None
-        return StreamOutput(req.request_id, seq.index, [token], delta.text, logprobs=lp)
+        snap = seq.sampling.snapshot() if seq.snapshots else None
+        return StreamOutput(
+            req.request_id, seq.index, [token], delta.text, logprobs=lp, sampler_snapshot=snap
+        )
 
     def _record_emits(self, seq: _Sequence, num_emitted: int, now: float) -> None:
         """One emit stamp per token whose text reached the client (seed §2.1)."""
@@ -365,7 +408,10 @@ class LLMEngine:
                 },
             )
         )
-        return StreamOutput(rid, seq.index, [], tail, finished=True, finish_reason=reason)
+        snap = seq.sampling.snapshot() if req.prefill_only or seq.snapshots else None
+        return StreamOutput(
+            rid, seq.index, [], tail, finished=True, finish_reason=reason, sampler_snapshot=snap
+        )
 
     # -- offline API ---------------------------------------------------------------------------
 

@@ -53,9 +53,9 @@ class ModelRunner:
             pin_memory=device.type == "cuda",
         )
         self._workspace = torch.empty(self._workspace_shape(0), dtype=mc.dtype, device=device)
-        # Called with each layer index once that layer's K/V of the step is written (a
-        # prefill worker streams a layer to the decode side while later layers compute).
-        self.layer_hook: Callable[[int], None] | None = None
+        # Called with (layer index, the step's SchedulerOutput) once that layer's K/V of the
+        # step is written: a prefill worker streams a layer while later layers compute.
+        self.layer_hook: Callable[[int, SchedulerOutput], None] | None = None
         self.decode_kernel = (
             config.attention_backend == "cpu_kernel"
             and device.type == "cpu"
@@ -103,9 +103,9 @@ class ModelRunner:
             vocab = self.model_config.vocab_size
             return torch.empty(0, vocab, dtype=torch.float32, device=self.device)
         input_ids, positions, meta, sample_rows = self._prepare(out.chunks)
-        return self.model.forward(
-            input_ids, positions, meta, self.kv_cache, sample_rows, self.layer_hook
-        )
+        hook = self.layer_hook
+        on_layer = None if hook is None else lambda layer: hook(layer, out)
+        return self.model.forward(input_ids, positions, meta, self.kv_cache, sample_rows, on_layer)
 
     @staticmethod
     def _pairs(pairs: list[tuple[int, int]]) -> tuple[Tensor, Tensor]:

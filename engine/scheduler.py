@@ -85,7 +85,7 @@ class Scheduler:
         rid = req.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid} is already in the scheduler")
-        if not 0 < num_kv_tokens < req.num_tokens:
+        if not 0 < num_kv_tokens <= req.num_tokens:
             raise ValueError(f"request {rid}: num_kv_tokens={num_kv_tokens} of {req.num_tokens}")
         self._requests[rid] = req
         limit = self.admission.hard_limit(req)
@@ -104,12 +104,13 @@ class Scheduler:
         return AdmissionResult(S.WAITING_FOR_KV)
 
     def kv_ready(self, request_id: str) -> None:
-        """The imported KV is written and verified: cache its full blocks and decode."""
+        """The imported KV is written and verified, and the token sampled after it appended:
+        cache its full blocks and decode."""
         req = self._requests.get(request_id)
         if req is None or req.is_finished:
             return  # ended (cancel, deadline) while the KV was in flight
-        if req.status is not S.WAITING_FOR_KV:
-            raise ValueError(f"kv_ready: request {request_id} is {req.status.name}")
+        if req.status is not S.WAITING_FOR_KV or req.num_computed_tokens >= req.num_tokens:
+            raise ValueError(f"kv_ready: request {request_id} is {req.status.name} with no token")
         self.kv.cache_computed(req)
         req.transition(S.DECODING)
 

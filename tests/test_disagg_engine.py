@@ -5,11 +5,14 @@ moves by a plain tensor copy here (the transports are tested in test_kv_transfer
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
 from helpers import assert_engine_clean
 
+from engine.async_engine import AsyncLLMEngine
+from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestRejected
 from engine.kv_cache_manager import KVInvariantError, prefix_hashes
@@ -54,14 +57,13 @@ def prefill(engine: LLMEngine, tokens: list[int], params: SamplingParams, rid: s
 def hand_off(p: LLMEngine, d: LLMEngine, tokens: list[int], params: SamplingParams, out) -> str:
     """Import ``out`` (a handed-off prefill) into ``d``, copy its KV, release the lease."""
     rid = out.request_id + "-d"
-    dst = d.add_imported(
-        tokens, params, out.token_ids, request_id=rid, sampler_snapshot=out.sampler_snapshot
-    )
+    *known, first = out.token_ids
+    dst = d.add_imported(tokens, params, request_id=rid, resume_output=known)
     src = p.kv.block_table(out.request_id)
     assert len(src) == len(dst)
     d.runner.kv_cache[:, :, dst] = p.runner.kv_cache[:, :, src]
     assert p.release_kv(out.request_id) and not p.release_kv(out.request_id)
-    d.finish_import(rid)
+    d.finish_import(rid, next_token=first, sampler_snapshot=out.sampler_snapshot)
     return rid
 
 
@@ -113,18 +115,18 @@ def test_import_waits_for_kv_then_caches_it(engines) -> None:
     _, p, d = engines
     tokens = prompt(40, offset=9)
     out = prefill(p, tokens, GREEDY, rid="wait")
-    dst = d.add_imported(tokens, GREEDY, out.token_ids, request_id="wait-d")
+    dst = d.add_imported(tokens, GREEDY, request_id="wait-d")
     req = d.scheduler.get_request("wait-d")
     assert req is not None and req.status is RequestStatus.WAITING_FOR_KV
     for _ in range(3):  # nothing runs for it while the KV is in flight
         assert d.step() == []
-    assert req.num_computed_tokens == 40 and len(req.output_token_ids) == 1
+    assert req.num_computed_tokens == 40 and req.output_token_ids == []
     # Unverified KV is not in the prefix cache: nobody may hit it yet.
     probe = d._new_request(tokens, GREEDY, "probe", None, 0, None, "")
     assert d.kv.get_computed_blocks(probe) == ([], 0)
     d.runner.kv_cache[:, :, dst] = p.runner.kv_cache[:, :, p.kv.block_table("wait")]
     p.release_kv("wait")
-    d.finish_import("wait-d")
+    d.finish_import("wait-d", next_token=out.token_ids[0])
     assert d.kv.get_computed_blocks(probe)[1] == 32  # two full blocks, now cached
     run(d)
     d.finished_outputs()
@@ -137,7 +139,7 @@ def test_import_that_fails_is_reclaimed_once(engines, how: str) -> None:
     _, _, d = engines
     tokens = prompt(33)
     deadline = 0.0 if how == "deadline" else None
-    d.add_imported(tokens, GREEDY, [7], request_id=f"bad-{how}", deadline=deadline)
+    d.add_imported(tokens, GREEDY, request_id=f"bad-{how}", deadline=deadline)
     if how == "error":
         d.finish_import(f"bad-{how}", error="checksum mismatch")
     elif how == "cancel":
@@ -145,8 +147,8 @@ def test_import_that_fails_is_reclaimed_once(engines, how: str) -> None:
     run(d)
     [out] = d.finished_outputs()
     expected = {"error": "failed", "cancel": "cancelled", "deadline": "timed_out"}[how]
-    assert out.record.status.value == expected and out.token_ids == [7]
-    d.finish_import(f"bad-{how}")  # a late "KV ready" after the end changes nothing
+    assert out.record.status.value == expected and out.token_ids == []
+    d.finish_import(f"bad-{how}", next_token=7)  # a late "KV ready" after the end: no-op
     assert_engine_clean(d)
 
 
@@ -155,14 +157,14 @@ def test_import_without_room_is_rejected_and_changes_nothing(test_llama: Path) -
         test_llama, CONFIG.model_copy(update={"max_num_seqs": 2, "kv_cache_bytes": 2**16})
     )
     big = small.max_model_len * 3 // 5
-    small.add_imported(prompt(big), GREEDY, [5], request_id="a")
+    small.add_imported(prompt(big), GREEDY, request_id="a")
     before = small.kv.stats()
     with pytest.raises(RequestRejected, match="KV reservation"):
-        small.add_imported(prompt(big, offset=1), GREEDY, [5], request_id="b")
+        small.add_imported(prompt(big, offset=1), GREEDY, request_id="b")
     assert small.kv.stats() == before
-    small.add_imported(prompt(4), GREEDY, [5], request_id="c")
+    small.add_imported(prompt(4), GREEDY, request_id="c")
     with pytest.raises(RequestRejected, match="batch slots"):
-        small.add_imported(prompt(4), GREEDY, [5], request_id="d")
+        small.add_imported(prompt(4), GREEDY, request_id="d")
     for rid in ("a", "c"):
         small.finish_import(rid, error="test over")
     run(small)
@@ -199,7 +201,8 @@ def test_layer_hook_sees_each_layer_once_its_kv_is_written(test_llama: Path) -> 
     seen: list[tuple[int, bool, bool]] = []
     cache = p.runner.kv_cache
 
-    def hook(layer: int) -> None:
+    def hook(layer: int, out: SchedulerOutput) -> None:
+        assert [c.request_id for c in out.chunks] == ["hook"]
         blocks = p.kv.block_table("hook")
         written = bool(cache[layer, :, blocks].abs().sum() > 0)
         later = layer + 1 < cache.shape[0] and bool(cache[layer + 1, :, blocks].abs().sum() > 0)
@@ -215,3 +218,44 @@ def test_layer_hook_sees_each_layer_once_its_kv_is_written(test_llama: Path) -> 
     assert seen == [(layer, True, False) for layer in range(layers)]
     p.release_kv("hook")
     assert_engine_clean(p)
+
+
+def test_async_handoff_through_import_request_and_call(test_llama: Path) -> None:
+    """The interface the workers drive: a prefill-only stream ends with the snapshot, the
+    decode side imports, `call` runs finish_import on the engine thread, the stream continues;
+    per-token snapshots when asked. Output equals the colocated run."""
+    tokens = prompt(27, offset=2)
+    expected = reference(LLMEngine.from_checkpoint(test_llama, CONFIG), tokens, SAMPLED)
+
+    async def body() -> None:
+        with (
+            AsyncLLMEngine(LLMEngine.from_checkpoint(test_llama, CONFIG)) as p,
+            AsyncLLMEngine(LLMEngine.from_checkpoint(test_llama, CONFIG)) as d,
+        ):
+            outs = [o async for o in p.generate(tokens, SAMPLED, request_id="a", prefill_only=True)]
+            assert [t for o in outs for t in o.token_ids] == expected[:1]
+            assert outs[-1].finish_reason == "handed_off" and outs[-1].sampler_snapshot
+            blocks, stream = await d.import_request(
+                tokens, SAMPLED, request_id="a-d", snapshots=True
+            )
+            src = await p.call(lambda e: e.kv.block_table("a"))
+            d.engine.runner.kv_cache[:, :, blocks] = p.engine.runner.kv_cache[:, :, src]
+            assert await p.call(lambda e: e.release_kv("a"))
+            await d.call(
+                lambda e: e.finish_import(
+                    "a-d", next_token=expected[0], sampler_snapshot=outs[-1].sampler_snapshot
+                )
+            )
+            rest = [o async for o in stream]
+            assert [t for o in rest for t in o.token_ids] == expected[1:]
+            assert all(o.sampler_snapshot is not None for o in rest)
+            with pytest.raises(KeyError):
+                await d.call(lambda e: e.sampler_snapshot("gone"))
+            with pytest.raises(RequestRejected):
+                await d.import_request(prompt(10**4), SAMPLED, request_id="too-long")
+            await p.wait_idle()
+            await d.wait_idle()
+            assert_engine_clean(p.engine)
+            assert_engine_clean(d.engine)
+
+    asyncio.run(asyncio.wait_for(body(), 120))
