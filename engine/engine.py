@@ -113,14 +113,18 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_checkpoint(cls, path: str | Path, config: EngineConfig | None = None) -> LLMEngine:
-        """Load a local HF checkpoint dir (weights, tokenizer) and size the KV cache."""
+    def from_checkpoint(
+        cls, path: str | Path, config: EngineConfig | None = None, model_id: str | None = None
+    ) -> LLMEngine:
+        """Load a local HF checkpoint dir (weights, tokenizer) and size the KV cache.
+        ``model_id`` keys the prefix cache (a cluster passes its model name, so every worker
+        and the router hash alike); default: the resolved directory."""
         config = config or EngineConfig()
         device = config.resolve_device()
         ckpt = load_checkpoint(path, dtype=config.dtype, device=device)
         tokenizer = Tokenizer(path)
         runner = ModelRunner(ckpt, config, device)
-        return cls(runner, tokenizer, config, model_id=str(Path(path).resolve()))
+        return cls(runner, tokenizer, config, model_id=model_id or str(Path(path).resolve()))
 
     # -- requests ------------------------------------------------------------------------------
 
