@@ -19,6 +19,7 @@ from typing import Any, Literal, cast
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.roles import Role
 from engine.cli import DEFAULT_DEMO_SIZE, demo_model_dir
 from engine.config import EngineConfig
 from engine.demo_model import Size
@@ -42,12 +43,6 @@ class _FieldProblem(ValueError):
     def __init__(self, path: str, value: Any, reason: str) -> None:
         super().__init__(f"{path}: {_show(value)} ({reason})")
         self.path, self.value, self.reason = path, value, reason
-
-
-class Role(StrEnum):
-    PREFILL = "prefill"
-    DECODE = "decode"
-    COLOCATED = "colocated"
 
 
 class Spread(StrEnum):

@@ -1,0 +1,97 @@
+"""What the coordinator, the router and the workers send each other (pickled by Ray).
+
+One client request is served by one or more *attempts*: each has a fresh id
+``<request id>@<n>``, so a worker never confuses a retry with the attempt it replaces, and a
+late message of a dead attempt matches nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cluster.roles import Role
+from engine.sampler import SamplingSnapshot
+from engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A client request as the cluster sees it (already tokenised)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str = ""  # the tenant: prefix-cache hits only within one salt (P10)
+    deadline: float | None = None  # absolute time.time() covering every attempt
+    arrival_time: float = 0.0
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try at a request. ``resume_output``: tokens the client already has (a migration
+    recomputes them with the prompt); ``sampler_snapshot``: the sampler state after them."""
+
+    request: RequestSpec
+    number: int
+    resume_output: list[int] = field(default_factory=list)
+    sampler_snapshot: SamplingSnapshot | None = None
+
+    @property
+    def attempt_id(self) -> str:
+        return f"{self.request.request_id}@{self.number}"
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Positions whose KV a prefill computes: the prompt plus the resumed output."""
+        return len(self.request.prompt_token_ids) + len(self.resume_output)
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """Where a decode worker pulls an attempt's KV from."""
+
+    worker: str
+    address: str  # host:port of the prefill worker's KV transfer server
+    transport: str  # "grpc" | "torch"
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Tokens one worker produced for one attempt since its last batch."""
+
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # OpenAI's, or "handed_off" from a prefill worker
+    sampler_snapshot: SamplingSnapshot | None = None  # after the last token, when tracked
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a worker tells the router and the coordinator once it is up."""
+
+    name: str
+    role: Role
+    domain: str
+    kv_address: str | None  # prefill workers serve KV; None for the others
+    block_size: int
+    incarnation: str  # changes on every (re)start: a router drops state of an old one
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    name: str
+    incarnation: str
+    queue_depth: int  # requests admitted but not running
+    num_running: int
+    kv_usage: float  # in-use blocks / total, in [0, 1]
+
+
+class KVPullFailed(RuntimeError):
+    """A decode worker could not pull an attempt's KV; ``worker`` is the prefill worker it
+    came from (to blame for the retry), ``dead`` whether that worker is gone."""
+
+    def __init__(self, message: str, worker: str, dead: bool) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.dead = dead
