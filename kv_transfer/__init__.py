@@ -1,1 +1,11 @@
-"""Tandem kv_transfer package."""
+"""KV block transfer between prefill and decode workers.
+
+``format`` defines what a transfer carries and how it is checked; ``exporter`` is the sending
+side (leases, layer readiness, fault injection); ``grpc_transport`` serves exports and pulls over
+gRPC; ``torch_transport`` pulls payloads over torch.distributed pair groups under the same gRPC
+control stream; ``transport`` is the interface both clients implement.
+"""
+
+from kv_transfer.transport import KVTransport, TransportKind, make_transport
+
+__all__ = ["KVTransport", "TransportKind", "make_transport"]

@@ -1,0 +1,232 @@
+"""The KV transfer gRPC service (both transports' control plane, and the gRPC transport's data
+plane) and the gRPC client.
+
+Throughput choices (see ``bench/kv_transfer_bench.py``): unlimited message sizes; layers split
+into ``CHUNK_BYTES`` messages so sending and receiving overlap; chunk messages built and parsed
+by hand around the payload (``wire.py``) so each payload byte is copied once into the message
+and once out of it. Torch mode keeps ``TORCH_SENDS_IN_FLIGHT`` layer payloads on the pair
+group while it reads and announces the next layers (sends on one tag arrive in order).
+
+Each pull holds one server thread for its whole stream (waiting for layers included), so
+``max_workers`` bounds the concurrent pulls a worker serves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+
+from kv_transfer import kv_transfer_pb2 as pb
+from kv_transfer.errors import KVTransferError
+from kv_transfer.exporter import Frame, KVExportRegistry, ReleaseReason
+from kv_transfer.format import KVLayout, LayerChunk, TransferHeader, TransferKey
+from kv_transfer.torch_transport import DEFAULT_TIMEOUT_S, PairGroupHost, PendingSend, payload_bytes
+from kv_transfer.wire import (
+    CHANNEL_OPTIONS,
+    CHUNK_BYTES,
+    SERVICE,
+    Channels,
+    GrpcStreamReader,
+    chunk_messages,
+    frame_message,
+    reason_from_pb,
+    status_for,
+    torch_chunk_message,
+)
+
+# Torch mode: layer payloads a pull may have on the pair group, not yet received.
+TORCH_SENDS_IN_FLIGHT = 2
+
+
+class KVTransferServer:
+    """Serves a registry's exports to pullers, in gRPC or torch mode, on ``host``:``port``
+    (port 0: the OS picks; read :attr:`address` after :meth:`start`)."""
+
+    def __init__(
+        self,
+        registry: KVExportRegistry,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_workers: int = 32,
+        chunk_bytes: int = CHUNK_BYTES,
+    ) -> None:
+        self.registry = registry
+        self.host = host
+        self.chunk_bytes = chunk_bytes
+        # Each pull holds a worker thread while it waits for layers and streams them.
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-server"),
+            options=[*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)],
+        )
+        self._server.add_generic_rpc_handlers([self._handlers()])
+        self._port = self._server.add_insecure_port(f"{host}:{port}")
+        self._pairs: PairGroupHost | None = None
+        self._pairs_lock = threading.Lock()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self._port}"
+
+    def start(self) -> None:
+        self._server.start()
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving; in-flight pulls are cancelled after ``grace`` seconds."""
+        self._server.stop(grace).wait()
+        if self._pairs is not None:
+            self._pairs.close()
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            SERVICE,
+            {
+                "Pull": grpc.unary_stream_rpc_method_handler(
+                    self._pull,
+                    request_deserializer=pb.PullRequest.FromString,
+                    response_serializer=None,  # the handler yields wire bytes (wire.py)
+                ),
+                "Release": _unary(self._release, pb.ReleaseRequest),
+                "OpenPairGroup": _unary(self._open_pair_group, pb.PairGroupRequest),
+                "Health": _unary(self._health, pb.HealthRequest),
+            },
+        )
+
+    def _pair_host(self) -> PairGroupHost:
+        """The rendezvous store and pair groups, made on the first torch-mode puller."""
+        with self._pairs_lock:
+            if self._pairs is None:
+                self._pairs = PairGroupHost(self.host)
+            return self._pairs
+
+    def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        key = TransferKey(request.request_id, request.attempt_id)
+        torch_mode = request.mode == pb.TORCH
+        remaining = context.time_remaining()
+        deadline = min(request.deadline, time.time() + (remaining or math.inf))
+        done = threading.Event()
+        completed = False
+        sends: deque[PendingSend] = deque()
+        try:
+            if torch_mode:
+                self._pair_host().check(request.group_id, deadline)
+            export = self.registry.get(key, request.puller_id)
+
+            def on_done() -> None:  # RPC over (finished or cancelled): stop waiting for layers
+                done.set()
+                export.wake()
+
+            context.add_callback(on_done)
+            for item in self.registry.stream(export, deadline, done.is_set):
+                if isinstance(item, Frame):
+                    yield frame_message(item)
+                elif torch_mode:
+                    data = payload_bytes(item.payload)
+                    yield torch_chunk_message(item, data.numel())
+                    sends.append(
+                        self._pair_host().send(request.group_id, request.tag, data, deadline)
+                    )
+                    # Read and announce the next layers while earlier payloads are in flight.
+                    if len(sends) > TORCH_SENDS_IN_FLIGHT:
+                        sends.popleft().wait()
+                else:
+                    yield from chunk_messages(item, self.chunk_bytes)
+            while sends:
+                sends.popleft().wait()
+            completed = True
+        except KVTransferError as e:
+            # Let the puller take the payloads it was already told about, then say why it ends.
+            with contextlib.suppress(KVTransferError):
+                while sends:
+                    sends.popleft().wait()
+            context.abort(status_for(e), str(e))
+        finally:
+            # Failed, aborted or cancelled (GeneratorExit at a yield): a payload may be left
+            # half-matched, so the group is out of step; the puller discards its end too.
+            if torch_mode and not completed:
+                self._pair_host().discard(request.group_id)
+
+    def _release(
+        self, request: pb.ReleaseRequest, context: grpc.ServicerContext
+    ) -> pb.ReleaseReply:
+        try:
+            reason = reason_from_pb(request.reason)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        key = TransferKey(request.request_id, request.attempt_id)
+        return pb.ReleaseReply(released=self.registry.release(key, reason))
+
+    def _open_pair_group(
+        self, request: pb.PairGroupRequest, context: grpc.ServicerContext
+    ) -> pb.PairGroupReply:
+        try:
+            port = self._pair_host().open(request)
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.PairGroupReply(store_port=port)
+
+    def _health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
+        return pb.HealthReply(exports=len(self.registry))
+
+
+def _unary(handler: Callable[..., Any], request_type: Any) -> grpc.RpcMethodHandler:
+    return grpc.unary_unary_rpc_method_handler(
+        handler,
+        request_deserializer=request_type.FromString,
+        response_serializer=lambda reply: reply.SerializeToString(),
+    )
+
+
+class GrpcKVClient:
+    """Pulls KV over the gRPC stream itself."""
+
+    def __init__(self, puller_id: str, default_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        self.puller_id = puller_id
+        self.default_timeout_s = default_timeout_s
+        self._channels = Channels()
+
+    def pull(
+        self,
+        address: str,
+        key: TransferKey,
+        layout: KVLayout,
+        sink: Callable[[LayerChunk], None],
+        deadline: float | None,
+    ) -> TransferHeader:
+        """Pull ``key`` from the server at ``address``, handing ``sink`` each layer in order once
+        it is verified; returns the header once the trailer checks out.
+
+        Raises a :class:`KVTransferError` subclass on any failure (the sink has then received
+        only verified layers, possibly not all). ``deadline`` is unix time (None: the client's
+        default timeout from now). Exceptions the sink raises propagate unchanged.
+        """
+        deadline = time.time() + self.default_timeout_s if deadline is None else deadline
+        request = pb.PullRequest(
+            request_id=key.request_id,
+            attempt_id=key.attempt_id,
+            puller_id=self.puller_id,
+            deadline=deadline,
+            mode=pb.GRPC,
+        )
+        return self._channels.pull(address, request, GrpcStreamReader(key, layout, sink), deadline)
+
+    def release(self, address: str, key: TransferKey, reason: ReleaseReason) -> bool:
+        """End the sender's lease on ``key``; False if it was already released."""
+        return self._channels.release(address, self.puller_id, key, reason)
+
+    def health(self, address: str, timeout_s: float = 5.0) -> int:
+        """The number of exports the server holds (raises KVPeerUnavailable if it is down)."""
+        reply = self._channels.unary(
+            address, "Health", pb.HealthRequest(), pb.HealthReply, timeout_s
+        )
+        return int(reply.exports)
+
+    def close(self) -> None:
+        self._channels.close()

@@ -1,0 +1,42 @@
+"""The one interface a decode worker pulls KV through, whichever transport carries it."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+from kv_transfer.exporter import ReleaseReason
+from kv_transfer.format import KVLayout, LayerChunk, TransferHeader, TransferKey
+from kv_transfer.grpc_transport import GrpcKVClient
+from kv_transfer.torch_transport import TorchKVClient
+
+TransportKind = Literal["grpc", "torch"]
+
+
+class KVTransport(Protocol):
+    def pull(
+        self,
+        address: str,
+        key: TransferKey,
+        layout: KVLayout,
+        sink: Callable[[LayerChunk], None],
+        deadline: float | None,
+    ) -> TransferHeader: ...
+
+    def release(self, address: str, key: TransferKey, reason: ReleaseReason) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+def make_transport(kind: str, puller_id: str | None = None) -> KVTransport:
+    """A client for ``kind`` ("grpc" or "torch"). ``puller_id`` names this puller to senders
+    (what ``KVExportRegistry.peer_dead`` matches); pass the worker's name. The default is unique
+    per call, so peer-death releases only work with an explicit one."""
+    pid = puller_id if puller_id is not None else f"puller-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if kind == "grpc":
+        return GrpcKVClient(pid)
+    if kind == "torch":
+        return TorchKVClient(pid)
+    raise ValueError(f"transport kind {kind!r} is not 'grpc' or 'torch'")

@@ -1,1 +1,0 @@
-"""Tandem proto package."""
