@@ -46,6 +46,10 @@ class BlockPool:
         if self._events is None:
             self._events = []
 
+    def cached_hashes(self) -> list[int]:
+        """Every hash in the prefix cache now (a router rebuilding its index starts here)."""
+        return list(self._hash_to_block)
+
     def take_events(self) -> list[KVEvent]:
         """The events since the last call, oldest first (runs of one kind merged)."""
         if self._events is None:

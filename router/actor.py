@@ -142,6 +142,11 @@ class RouterActor:
     async def choose(self, request: RouteRequest) -> Decision:
         """Pick the attempt's workers (raises NoReplicaAvailable); logs the breakdown."""
         decision = choose(request, list(self.states.values()), self.index, self.weights)
+        # Count the work sent until the workers' next reports say so themselves: a burst of
+        # decisions between two reports must see each other, or it herds onto one replica.
+        for name in {decision.prefill, decision.decode}:
+            if name is not None:
+                self.states[name].queue_depth += 1
         line = decision.log_line()
         self.log.append(line)
         if logger.isEnabledFor(logging.DEBUG):  # the breakdown is ~100 us to serialise

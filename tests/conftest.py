@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 from hypothesis import settings
 
-from engine.demo_model import Architecture, Size, write_demo_checkpoint
-from engine.tokenizer import Tokenizer
+# Ray reads these when it is imported: set before any test module imports it (RAY_NOTES: stay
+# on loopback, no auth on test clusters).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+os.environ["RAY_AUTH_MODE"] = "disabled"
+
+from engine.demo_model import Architecture, Size, write_demo_checkpoint  # noqa: E402
+from engine.tokenizer import Tokenizer  # noqa: E402
 
 # CI runs the property tests with a fixed seed per test (a red CI names a real, reproducible
 # counterexample, never a lucky draw); locally they explore new examples each run.
@@ -140,3 +145,23 @@ def demo_tok(test_llama: Path) -> Tokenizer:
 def bl_tok(byte_level_tokenizer_dir: Path) -> Tokenizer:
     """A Llama-3-style byte-level BPE tokenizer."""
     return Tokenizer(byte_level_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One local Ray cluster for the whole test run (RAY_NOTES): loopback only, no auth, logical
+    CPUs so fractional actors never wait for a core, its own temp dir."""
+    import ray
+
+    ray.init(
+        num_cpus=16,
+        include_dashboard=False,
+        log_to_driver=False,
+        object_store_memory=256 * 2**20,
+        namespace="tandem",
+        _temp_dir=str(tmp_path_factory.mktemp("ray")),
+    )
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -1,0 +1,289 @@
+"""The coordinator: drives one client request across the cluster, attempt by attempt.
+
+It lives with the client-facing side (the Serve ingress; the driver in tests). Per request::
+
+    router.choose ──> prefill.prefill(attempt) ── KVSource ──> decode.decode(attempt, source)
+                           │ first token (TTFT)                  │ tokens 2.. (streamed)
+                           └──────────────> client <─────────────┘
+
+The client's stream is owned here, never by a worker: the tokens it has received, the sampler
+state after them and the stop-string holdback (the TextStream) all survive any worker. When an
+attempt fails (actor death, transport error, no room) the request is retried before its first
+token, or migrated after it: the next attempt recomputes prompt + received tokens on a healthy
+pair and continues from the sampler snapshot, so the client sees no duplicate and no gap (P5).
+Every request ends with exactly one :class:`ClientRecord` (P8).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError
+
+from cluster.messages import Attempt, KVPullFailed, KVSource, RequestSpec, TokenBatch, WorkerInfo
+from cluster.retry import Exclusions, RetriesExhausted, RetryBudget, RetryPolicy
+from engine.detokenizer import TextStream
+from engine.kv_cache_manager import prefix_hashes
+from engine.sampler import SamplingSnapshot
+from engine.tokenizer import Tokenizer
+from router.policy import NoReplicaAvailable, RouteRequest
+
+logger = logging.getLogger(__name__)
+
+
+class AttemptFailed(RuntimeError):
+    """One attempt could not go on; ``worker`` (if known) is the one to blame."""
+
+    def __init__(self, message: str, worker: str | None = None, dead: bool = False) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.dead = dead  # the worker itself is gone (tell the router)
+
+
+@dataclass
+class ClientDelta:
+    """What the client receives: new token ids and the text now safe to show."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class ClientRecord:
+    """Exactly one per client request (P8)."""
+
+    request_id: str
+    status: str  # "finished" | "failed" | "cancelled"
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # tokens delivered to the client
+    attempts: int
+    migrations: int  # attempts that resumed after tokens were delivered
+    arrival: float
+    first_token: float | None
+    finished: float
+    error: str | None = None
+
+
+@dataclass
+class _ClientStream:
+    spec: RequestSpec
+    text: TextStream
+    tokens: list[int] = field(default_factory=list)
+    snapshot: SamplingSnapshot | None = None
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+
+
+class Coordinator:
+    def __init__(
+        self,
+        router: Any,
+        workers: dict[str, Any],
+        infos: dict[str, WorkerInfo],
+        tokenizer: Tokenizer,
+        model_id: str,
+        retry: RetryPolicy,
+        transport: str = "grpc",
+    ) -> None:
+        self.router = router
+        self.workers = workers
+        self.infos = infos
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.budget = RetryBudget(retry)
+        self.transport = transport
+        self.records: list[ClientRecord] = []
+
+    # -- the client API ------------------------------------------------------------------------
+
+    async def generate(self, spec: RequestSpec) -> AsyncGenerator[ClientDelta, None]:
+        """Stream a request's text; raises RetriesExhausted when it fails for good."""
+        params = spec.params
+        if params.n != 1:
+            raise ValueError(f"n={params.n}: the cluster serves n=1 per request")
+        stream = _ClientStream(
+            spec, TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        )
+        self.budget.admitted()
+        attempts = migrations = 0
+        exclusions = Exclusions()
+        status, error = "failed", None
+        try:
+            while True:
+                attempts += 1
+                migrations += bool(stream.tokens)
+                attempt = Attempt(spec, attempts, list(stream.tokens), stream.snapshot)
+                try:
+                    async for delta in self._run_attempt(attempt, stream, exclusions):
+                        yield delta
+                    status = "finished"
+                    return
+                except AttemptFailed as exc:
+                    logger.warning("%s failed: %s", attempt.attempt_id, exc)
+                    if exc.worker is not None:
+                        info = self.infos.get(exc.worker)
+                        domain = info.domain if info and exc.dead else None
+                        exclusions.failed(exc.worker, domain)
+                        if exc.dead:
+                            await self._report_dead(exc.worker)
+                    why = self.budget.may_retry(attempts, spec.deadline)
+                    if why is not None:
+                        error = str(exc)
+                        raise RetriesExhausted(spec.request_id, why, attempts, str(exc)) from exc
+                    await asyncio.sleep(self.budget.policy.backoff_s)
+        except (asyncio.CancelledError, GeneratorExit):
+            status, error = "cancelled", None
+            raise
+        finally:
+            self.records.append(
+                ClientRecord(
+                    request_id=spec.request_id,
+                    status=status,
+                    finish_reason=stream.finish_reason if status == "finished" else None,
+                    num_prompt_tokens=len(spec.prompt_token_ids),
+                    num_output_tokens=len(stream.tokens),
+                    attempts=attempts,
+                    migrations=migrations,
+                    arrival=spec.arrival_time,
+                    first_token=stream.first_token_at,
+                    finished=time.time(),
+                    error=error,
+                )
+            )
+
+    # -- one attempt ---------------------------------------------------------------------------
+
+    async def _run_attempt(
+        self, attempt: Attempt, stream: _ClientStream, exclusions: Exclusions
+    ) -> AsyncGenerator[ClientDelta, None]:
+        spec = attempt.request
+        tokens = spec.prompt_token_ids + attempt.resume_output
+        route = RouteRequest(
+            request_id=attempt.attempt_id,
+            prompt_hashes=prefix_hashes(tokens, self._block_size(), spec.cache_salt, self.model_id),
+            num_prompt_tokens=len(tokens),
+            exclude_workers=frozenset(exclusions.workers),
+            exclude_domains=frozenset(exclusions.domains),
+        )
+        try:
+            decision = await self.router.choose.remote(route)
+        except NoReplicaAvailable as exc:
+            raise AttemptFailed(f"no replica: {exc}") from exc
+        generators: list[Any] = []
+        try:
+            if decision.prefill is None:  # colocated, or prefill on the decode worker
+                gen = self._call(decision.decode, "generate", attempt)
+                generators.append(gen)
+                async for delta in self._deliver(gen, decision.decode, stream):
+                    yield delta
+                return
+            prefill = self._call(decision.prefill, "prefill", attempt, self.transport)
+            generators.append(prefill)
+            source: KVSource = await self._next(prefill, decision.prefill)
+            decode = self._call(decision.decode, "decode", attempt, source)
+            generators.append(decode)
+            first: TokenBatch = await self._next(prefill, decision.prefill)
+            handed_off = first.finish_reason == "handed_off"
+            if handed_off:
+                first = TokenBatch(first.token_ids, sampler_snapshot=first.sampler_snapshot)
+            for delta in self._accept(first, decision.prefill, stream):
+                yield delta
+            if not handed_off or stream.finish_reason is not None:
+                return
+            handoff = self._call(decision.decode, "handoff", attempt.attempt_id, first)
+            await self._await(handoff, decision.decode)
+            async for delta in self._deliver(decode, decision.decode, stream):
+                yield delta
+        finally:
+            for gen in generators:
+                ray.cancel(gen)  # a worker still streaming this attempt stops and frees KV
+
+    def _call(self, worker: str, method: str, *args: Any) -> Any:
+        handle = self.workers[worker]
+        return getattr(handle, method).remote(*args)
+
+    async def _next(self, gen: Any, worker: str) -> Any:
+        try:
+            ref = await gen.__anext__()
+        except StopAsyncIteration as exc:
+            raise AttemptFailed(f"{worker} ended its stream early", worker) from exc
+        except RayActorError as exc:
+            raise AttemptFailed(f"{worker} died: {type(exc).__name__}", worker, dead=True) from exc
+        return await self._await(ref, worker)
+
+    async def _await(self, ref: Any, worker: str) -> Any:
+        """The result of a call to ``worker``, its failures as AttemptFailed (blaming the
+        right worker)."""
+        try:
+            return await ref
+        except RayActorError as exc:
+            raise AttemptFailed(f"{worker} died: {type(exc).__name__}", worker, dead=True) from exc
+        except Exception as exc:  # the worker raised (transfer error, no room, injected fault)
+            cause = getattr(exc, "cause", exc)  # a RayTaskError wraps the worker's exception
+            if isinstance(cause, KVPullFailed):  # the KV's source is to blame, not the puller
+                raise AttemptFailed(str(cause), cause.worker, dead=cause.dead) from exc
+            raise AttemptFailed(f"{worker}: {cause}", worker) from exc
+
+    async def _deliver(
+        self, gen: Any, worker: str, stream: _ClientStream
+    ) -> AsyncGenerator[ClientDelta, None]:
+        while stream.finish_reason is None:
+            batch = await self._next(gen, worker)
+            for delta in self._accept(batch, worker, stream):
+                yield delta
+            if batch.finished and stream.finish_reason is None:
+                raise AttemptFailed(f"{worker} ended without a finish reason", worker)
+
+    def _accept(self, batch: TokenBatch, worker: str, stream: _ClientStream) -> list[ClientDelta]:
+        """Take a worker's batch into the client's stream: tokens, snapshot, stop strings."""
+        if batch.error is not None:
+            raise AttemptFailed(f"{worker}: {batch.error}", worker)
+        deltas: list[ClientDelta] = []
+        for token in batch.token_ids:
+            if stream.first_token_at is None:
+                stream.first_token_at = time.time()
+            stream.tokens.append(token)
+            step = stream.text.step(token)
+            if step.text:
+                deltas.append(ClientDelta([token], step.text))
+            elif deltas:
+                deltas[-1].token_ids.append(token)
+            else:
+                deltas.append(ClientDelta([token], ""))
+            if step.stop_matched is not None:
+                stream.finish_reason = "stop"
+                break
+        if batch.sampler_snapshot is not None:
+            stream.snapshot = batch.sampler_snapshot
+        if stream.finish_reason is None and batch.finished:
+            if batch.finish_reason in (None, "handed_off", "error", "abort", "timeout"):
+                if batch.finish_reason == "timeout":
+                    stream.finish_reason = "timeout"
+                elif batch.finish_reason != "handed_off":
+                    raise AttemptFailed(
+                        f"{worker} ended the attempt: {batch.finish_reason}", worker
+                    )
+            else:
+                stream.finish_reason = batch.finish_reason
+        if stream.finish_reason is not None:
+            tail = stream.text.finish()
+            deltas.append(ClientDelta([], tail, finished=True, finish_reason=stream.finish_reason))
+        return deltas
+
+    async def _report_dead(self, worker: str) -> None:
+        try:
+            await self.router.worker_failed.remote(worker)
+        except Exception:
+            logger.warning("could not tell the router that %s failed", worker, exc_info=True)
+
+    def _block_size(self) -> int:
+        return next(iter(self.infos.values())).block_size

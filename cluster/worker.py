@@ -1,0 +1,206 @@
+"""What every worker actor shares: one engine, its reports to the router, fault hooks.
+
+A worker is a Ray actor (async: its methods are coroutines on one event loop) around an
+:class:`~engine.async_engine.AsyncLLMEngine`, whose own thread steps the model. The prefill and
+decode actors (``prefill_worker/``, ``decode_worker/``) add their half of the hand-off; any worker
+can also serve a request whole (:meth:`EngineWorker.generate`: the colocated path, and the
+decode worker's local prefill of short prompts).
+
+Reports: after every change a worker pushes its load and the prefix-cache events since the last
+report to the router actor (``RouterActor.report``), at most every ``report_interval_s``; the
+router treats a worker silent for longer than its heartbeat timeout as FAILED.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections.abc import AsyncGenerator
+from pathlib import Path
+from typing import Any
+
+from cluster.faults import FaultPlan, FaultPoint
+from cluster.messages import Attempt, TokenBatch, WorkerInfo, WorkerLoad
+from cluster.roles import Role
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+from engine.engine import LLMEngine, StreamOutput
+from engine.kv_cache_manager import KVStats
+from engine.kv_events import KVEvent, KVEventKind
+from engine.request import TerminalRecord
+
+logger = logging.getLogger(__name__)
+
+
+def batch_of(out: StreamOutput) -> TokenBatch:
+    return TokenBatch(
+        token_ids=list(out.token_ids),
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        sampler_snapshot=out.sampler_snapshot,
+    )
+
+
+class EngineWorker:
+    """Base class of the worker actors (not an actor itself: Ray wraps the subclasses)."""
+
+    role: Role = Role.COLOCATED
+
+    def __init__(
+        self,
+        name: str,
+        domain: str,
+        model_dir: str,
+        model_id: str,
+        engine_config: EngineConfig,
+        router: Any = None,  # the router actor's handle; None in tests that drive workers
+        report_interval_s: float = 0.05,
+    ) -> None:
+        self.name = name
+        self.domain = domain
+        self.incarnation = uuid.uuid4().hex[:12]
+        engine = LLMEngine.from_checkpoint(Path(model_dir), engine_config, model_id=model_id)
+        engine.kv.pool.record_events()
+        self.engine = AsyncLLMEngine(engine)
+        self.block_size = engine_config.block_size
+        self.router = router
+        self.report_interval_s = report_interval_s
+        self.faults = FaultPlan()
+        self._changed: asyncio.Event | None = None  # created on the actor's loop
+        self._reporter: asyncio.Task[None] | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def kv_address(self) -> str | None:
+        return None
+
+    async def ready(self) -> WorkerInfo:
+        """Called once after start (and after a Ray restart): starts the reporter."""
+        if self._reporter is None:
+            self._changed = asyncio.Event()
+            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+        return self.info()
+
+    def info(self) -> WorkerInfo:
+        return WorkerInfo(
+            name=self.name,
+            role=self.role,
+            domain=self.domain,
+            kv_address=self.kv_address(),
+            block_size=self.block_size,
+            incarnation=self.incarnation,
+        )
+
+    async def set_faults(self, plan: FaultPlan) -> None:
+        """Arm the fault-injection harness (tests, chaos runs)."""
+        self.faults = plan
+
+    # -- reports -------------------------------------------------------------------------------
+
+    def _touch(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+
+    async def load(self) -> WorkerLoad:
+        stats = self.engine.kv_stats()
+        queue, running = await self.engine.call(
+            lambda e: (e.scheduler.num_waiting, e.scheduler.num_running)
+        )
+        return WorkerLoad(
+            name=self.name,
+            incarnation=self.incarnation,
+            queue_depth=queue,
+            num_running=running,
+            kv_usage=stats.in_use_blocks / stats.total_blocks,
+        )
+
+    async def take_kv_events(self) -> list[KVEvent]:
+        events: list[KVEvent] = await self.engine.call(lambda e: e.kv.pool.take_events())
+        return events
+
+    async def _resync_events(self) -> list[KVEvent]:
+        """CLEARED, then everything cached now: a router that missed reports (its restart,
+        ours) rebuilds this worker's index exactly from it (P12)."""
+
+        def snapshot(e: LLMEngine) -> list[KVEvent]:
+            e.kv.pool.take_events()  # superseded by the snapshot
+            cached = tuple(e.kv.pool.cached_hashes())
+            return [KVEvent(KVEventKind.CLEARED), KVEvent(KVEventKind.STORED, cached)]
+
+        events: list[KVEvent] = await self.engine.call(snapshot)
+        return events
+
+    async def _report_loop(self) -> None:
+        """Push load and KV events to the router, as a heartbeat too. The first report, and the
+        first after a failed one, resynchronises the router's view of this worker."""
+        assert self._changed is not None
+        resync = True
+        while True:
+            try:
+                events = await (self._resync_events() if resync else self.take_kv_events())
+                if self.router is not None:
+                    await self.router.report.remote(self.info(), await self.load(), events)
+                resync = False
+            except Exception:  # the router restarting: keep trying, then resynchronise
+                logger.warning("%s: report to the router failed", self.name, exc_info=True)
+                resync = True
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout=self.report_interval_s * 10)
+            except TimeoutError:
+                pass  # a heartbeat even when nothing changed
+            await asyncio.sleep(self.report_interval_s)
+
+    # -- serving a whole request ---------------------------------------------------------------
+
+    async def generate(self, attempt: Attempt) -> AsyncGenerator[TokenBatch, None]:
+        """Prefill and decode here (colocated, or a decode worker's local prefill)."""
+        spec = attempt.request
+        self._touch()
+        stream = self.engine.generate(
+            spec.prompt_token_ids,
+            spec.params,
+            request_id=attempt.attempt_id,
+            deadline=spec.deadline,
+            cache_salt=spec.cache_salt,
+            resume_output=attempt.resume_output,
+            sampler_snapshot=attempt.sampler_snapshot,
+            snapshots=spec.params.temperature > 0,
+        )
+        async for batch in self._relay(stream, attempt):
+            yield batch
+
+    async def _relay(
+        self, stream: AsyncGenerator[StreamOutput, None], attempt: Attempt
+    ) -> AsyncGenerator[TokenBatch, None]:
+        """Engine outputs as token batches, with the decode-side fault point."""
+        emitted = 0
+        try:
+            async for out in stream:
+                emitted += len(out.token_ids)
+                self.faults.check(FaultPoint.DECODE_TOKENS, attempt.number, emitted)
+                yield batch_of(out)
+        finally:
+            await stream.aclose()
+            self._touch()
+
+    # -- inspection (tests, the chaos harness) ------------------------------------------------
+
+    async def kv_stats(self) -> KVStats:
+        await self.engine.wait_idle()
+        return self.engine.kv_stats()
+
+    async def records(self) -> list[TerminalRecord]:
+        return self.engine.records()
+
+    async def check_idle(self) -> KVStats:
+        """The P1 leak check: wait until nothing runs, then every pool must be at baseline
+        (raises KVInvariantError otherwise). Leases still held count as leaks here."""
+        await self.engine.wait_idle()
+        await self.engine.call(lambda e: e.kv.check_idle())
+        return self.engine.kv_stats()
+
+    async def pid(self) -> int:
+        return os.getpid()

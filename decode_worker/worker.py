@@ -1,0 +1,140 @@
+"""The decode worker actor: reserves blocks for an attempt, pulls its KV from the prefill worker
+(checked block by block), then continues the request in its continuous batch.
+
+::
+
+    decode(attempt, source):
+        import_request  -> blocks reserved, request WAITING_FOR_KV (rejected: no room here)
+        pull            -> each verified layer written into those blocks (overlaps the prefill)
+        ack             -> the prefill worker frees its lease
+        handoff(token)  <- the first token and sampler state, relayed by the coordinator
+        finish_import   -> DECODING; stream tokens 2.. back
+
+A pull that fails (corrupt, truncated, peer gone, deadline) fails the import: the request ends
+FAILED through the one reclaim path and the error names the prefill worker, so the coordinator
+retries elsewhere. It can also serve whole requests (``generate``): the local prefill of short
+uncached prompts, where disaggregation costs more than it saves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.messages import Attempt, KVPullFailed, KVSource, TokenBatch
+from cluster.roles import Role
+from cluster.worker import EngineWorker
+from kv_transfer import KVTransport, make_transport
+from kv_transfer.errors import KVPeerUnavailable, KVTransferError
+from kv_transfer.exporter import ReleaseReason
+from kv_transfer.format import KVLayout, LayerChunk, TransferKey, write_layer
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    attempt_id: str
+    transport: str
+    num_bytes: int
+    started: float  # time.time() when the pull began (right after admission here)
+    finished: float  # when the last layer was written and verified
+
+
+class DecodeWorker(EngineWorker):
+    role = Role.DECODE
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.layout = KVLayout.from_cache(self.engine.engine.runner.kv_cache)
+        self._transports: dict[str, KVTransport] = {}
+        self._handoffs: dict[str, asyncio.Future[TokenBatch]] = {}
+        self.transfers: list[TransferRecord] = []
+
+    def _transport(self, kind: str) -> KVTransport:
+        if kind not in self._transports:
+            self._transports[kind] = make_transport(kind, puller_id=self.name)
+        return self._transports[kind]
+
+    def _handoff(self, attempt_id: str) -> asyncio.Future[TokenBatch]:
+        if attempt_id not in self._handoffs:
+            self._handoffs[attempt_id] = asyncio.get_running_loop().create_future()
+        return self._handoffs[attempt_id]
+
+    async def handoff(self, attempt_id: str, first: TokenBatch) -> None:
+        """The prefill's first token and sampler state for ``attempt_id``."""
+        future = self._handoff(attempt_id)
+        if not future.done():
+            future.set_result(first)
+
+    async def decode(self, attempt: Attempt, source: KVSource) -> AsyncGenerator[TokenBatch, None]:
+        spec = attempt.request
+        aid = attempt.attempt_id
+        handoff = self._handoff(aid)
+        key = TransferKey(spec.request_id, aid)
+        self._touch()
+        try:
+            blocks, stream = await self.engine.import_request(
+                spec.prompt_token_ids,
+                spec.params,
+                request_id=aid,
+                resume_output=attempt.resume_output,
+                deadline=spec.deadline,
+                cache_salt=spec.cache_salt,
+                snapshots=spec.params.temperature > 0,
+            )
+            try:
+                await self._pull(source, key, blocks, spec.deadline)
+                first = await handoff
+                await self.engine.call(
+                    lambda e: e.finish_import(
+                        aid,
+                        next_token=first.token_ids[-1],
+                        sampler_snapshot=first.sampler_snapshot,
+                    )
+                )
+            except BaseException as exc:
+                reason = f"KV import failed: {exc!r}"
+                await asyncio.shield(self.engine.call(lambda e: e.finish_import(aid, error=reason)))
+                await stream.aclose()
+                raise
+            async for batch in self._relay(stream, attempt):
+                yield batch
+        finally:
+            self._handoffs.pop(aid, None)
+            self._touch()
+
+    async def _pull(
+        self, source: KVSource, key: TransferKey, blocks: list[int], deadline: float | None
+    ) -> None:
+        """Pull and write every layer (in a thread: the transports block), then ack."""
+        kv_cache = self.engine.engine.runner.kv_cache
+        transport = self._transport(source.transport)
+
+        def sink(chunk: LayerChunk) -> None:  # only verified chunks arrive here
+            write_layer(kv_cache, chunk.layer, blocks, chunk.payload)
+
+        started = time.time()
+        try:
+            header = await asyncio.to_thread(
+                transport.pull, source.address, key, self.layout, sink, deadline
+            )
+        except KVTransferError as exc:
+            dead = isinstance(exc, KVPeerUnavailable)
+            raise KVPullFailed(f"pull from {source.worker}: {exc}", source.worker, dead) from exc
+        done = time.time()
+        await asyncio.to_thread(transport.release, source.address, key, ReleaseReason.ACKED)
+        self.transfers.append(
+            TransferRecord(
+                attempt_id=key.attempt_id,
+                transport=source.transport,
+                num_bytes=header.layer_nbytes * self.layout.num_layers,
+                started=started,
+                finished=done,
+            )
+        )
+
+    async def transfer_records(self) -> list[TransferRecord]:
+        """Every completed pull (benchmarks, metrics)."""
+        return list(self.transfers)

@@ -1,0 +1,225 @@
+"""The disaggregated cluster on a real local Ray cluster (one per test run): router, 2 prefill
+and 2 decode worker actors in two failure domains, KV over gRPC on 127.0.0.1.
+
+Every client stream is compared token for token with the colocated engine (which the engine
+tests hold equal to transformers); every test ends with every pool back to baseline (P1) and
+one client record per request (P8). Faults are injected with the harness (cluster/faults.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from ray.exceptions import ActorUnavailableError
+
+from cluster.coordinator import ClientDelta
+from cluster.faults import Fault, FaultAction, FaultPlan, FaultPoint
+from cluster.launch import Cluster, start_cluster
+from cluster.messages import RequestSpec
+from cluster.retry import RetriesExhausted
+from cluster.topology import Topology
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.e2e
+TIMEOUT_S = 240.0
+ENGINE = {"kv_cache_bytes": 4 * 2**20, "max_num_seqs": 16, "max_num_batched_tokens": 256}
+TOPOLOGY = """
+model: {{path: {path}, name: test-llama}}
+domains: [a, b]
+pools:
+  prefill: {{replicas: 2, num_cpus: 0.5, engine: {engine}}}
+  decode: {{replicas: 2, num_cpus: 0.5, engine: {engine}}}
+transport: grpc
+router: {{local_prefill_max_tokens: 0}}
+retry: {{max_attempts: 3, budget_ratio: 1.0, backoff_s: 0.0}}
+lease_timeout_s: 20
+heartbeat_interval_s: 0.2
+heartbeat_timeout_s: 2.0
+"""
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
+_ids = itertools.count()
+
+
+# One loop for the module: Ray's async handles and the coordinator live across tests.
+LOOP = asyncio.new_event_loop()
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return LOOP.run_until_complete(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+def prompt(n: int, offset: int = 0) -> list[int]:
+    return [(31 * i + 7 + offset) % 1500 + 20 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session: None, test_llama: Path) -> Any:
+    text = TOPOLOGY.format(path=test_llama, engine=ENGINE)
+    topology = Topology.from_yaml_text(text)
+    c = run(start_cluster(topology, model_dir=test_llama))
+    yield c
+    run(c.shutdown())
+
+
+@pytest.fixture(scope="module")
+def colocated(test_llama: Path) -> LLMEngine:
+    return LLMEngine.from_checkpoint(test_llama, EngineConfig(**ENGINE), model_id="test-llama")
+
+
+def expected(engine: LLMEngine, tokens: list[int], params: SamplingParams) -> list[int]:
+    [[out]] = engine.generate([tokens], params)
+    return out.token_ids
+
+
+async def collect(c: Cluster, tokens: list[int], params: SamplingParams, **kw: Any) -> list[int]:
+    spec = RequestSpec(f"r{next(_ids)}", tokens, params, arrival_time=time.time(), **kw)
+    deltas: list[ClientDelta] = [d async for d in c.coordinator.generate(spec)]
+    assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
+    return [t for d in deltas for t in d.token_ids]
+
+
+async def assert_clean(c: Cluster) -> None:
+    """P1 on every worker, P8 for every client request so far; then wait until the router
+    sees every worker healthy again (a crashed one rejoins after its restart)."""
+    for worker in c.workers.values():
+        while True:  # a crashed worker is restarting (Ray): its fresh pool must be clean too
+            try:
+                await worker.check_idle.remote()
+                break
+            except ActorUnavailableError:
+                await asyncio.sleep(0.2)
+    ids = [r.request_id for r in c.coordinator.records]
+    assert len(ids) == len(set(ids))
+    while not all(w.healthy for w in await c.router.worker_states.remote()):
+        await asyncio.sleep(0.1)
+
+
+async def arm(c: Cluster, role: str, *faults: Fault) -> None:
+    for name, worker in c.workers.items():
+        if name.startswith(role):
+            await worker.set_faults.remote(FaultPlan([Fault(**vars(f)) for f in faults]))
+
+
+def test_disaggregated_equals_colocated(cluster: Cluster, colocated: LLMEngine) -> None:
+    cases = [(prompt(n, n), p) for n in (3, 16, 17, 40, 90) for p in (GREEDY, SEEDED)]
+
+    async def body() -> None:
+        got = await asyncio.gather(*(collect(cluster, t, p) for t, p in cases))
+        assert got == [expected(colocated, t, p) for t, p in cases]
+        await assert_clean(cluster)
+
+    run(body())
+
+
+def test_kill_prefill_mid_transfer_retries_exactly(cluster: Cluster, colocated: LLMEngine) -> None:
+    tokens = prompt(70, 3)
+
+    async def body() -> None:
+        await arm(
+            cluster, "prefill", Fault(FaultPoint.PREFILL_LAYERS, FaultAction.CRASH, at=1, attempt=1)
+        )
+        got = await collect(cluster, tokens, SEEDED)
+        assert got == expected(colocated, tokens, SEEDED)
+        [record] = cluster.coordinator.records[-1:]
+        assert record.attempts == 2 and record.migrations == 0
+        await assert_clean(cluster)
+
+    run(body())
+
+
+def test_kill_decode_mid_stream_migrates_exactly(cluster: Cluster, colocated: LLMEngine) -> None:
+    tokens = prompt(33, 5)
+
+    async def body() -> None:
+        await arm(
+            cluster, "decode", Fault(FaultPoint.DECODE_TOKENS, FaultAction.CRASH, at=4, attempt=1)
+        )
+        got = await collect(cluster, tokens, SEEDED)
+        assert got == expected(colocated, tokens, SEEDED)
+        [record] = cluster.coordinator.records[-1:]
+        assert record.attempts == 2 and record.migrations == 1
+        await assert_clean(cluster)
+
+    run(body())
+
+
+@pytest.mark.parametrize("action", [FaultAction.CORRUPT, FaultAction.TRUNCATE, FaultAction.DROP])
+def test_transport_faults_are_detected_and_retried(
+    cluster: Cluster, colocated: LLMEngine, action: FaultAction
+) -> None:
+    tokens = prompt(50, 9)
+
+    async def body() -> None:
+        await arm(cluster, "prefill", Fault(FaultPoint.TRANSFER_CHUNK, action, at=1, attempt=1))
+        got = await collect(cluster, tokens, GREEDY)
+        assert got == expected(colocated, tokens, GREEDY)
+        assert cluster.coordinator.records[-1].attempts == 2
+        await assert_clean(cluster)
+
+    run(body())
+
+
+def test_retries_spent_give_a_typed_error_promptly(cluster: Cluster) -> None:
+    async def body() -> None:
+        await arm(
+            cluster,
+            "prefill",
+            Fault(FaultPoint.TRANSFER_CHUNK, FaultAction.CORRUPT, at=0),
+        )
+        for worker in cluster.workers.values():  # every attempt fails, whichever worker
+            await worker.set_faults.remote(
+                FaultPlan([Fault(FaultPoint.TRANSFER_CHUNK, FaultAction.CORRUPT) for _ in range(5)])
+            )
+        t0 = time.time()
+        with pytest.raises(RetriesExhausted) as info:
+            await collect(cluster, prompt(20, 1), GREEDY)
+        assert info.value.attempts == 3 and time.time() - t0 < 30
+        assert cluster.coordinator.records[-1].status == "failed"
+        for worker in cluster.workers.values():
+            await worker.set_faults.remote(FaultPlan())
+        await assert_clean(cluster)
+
+    run(body())
+
+
+def test_shared_prefix_hits_the_worker_that_holds_it(cluster: Cluster) -> None:
+    base = prompt(64, 77)
+
+    async def body() -> None:
+        await collect(cluster, base + [5], GREEDY)
+        await asyncio.sleep(0.5)  # the KV events reach the router
+        before = await cluster.router.decisions.remote()
+        await collect(cluster, base + [6], GREEDY)
+        after = await cluster.router.decisions.remote()
+        first, second = before[-1], after[-1]
+        assert second["prefill"] == first["prefill"]
+        assert second["hit_blocks"] == 4
+        await assert_clean(cluster)
+
+    run(body())
+
+
+def test_losing_a_failure_domain_keeps_serving(cluster: Cluster, colocated: LLMEngine) -> None:
+    """Last: it kills domain a's workers for good."""
+    tokens = prompt(30, 2)
+
+    async def body() -> None:
+        for name in ("prefill-0", "decode-0"):  # domain a
+            ray.kill(cluster.workers[name], no_restart=True)
+        for _ in range(3):
+            assert await collect(cluster, tokens, GREEDY) == expected(colocated, tokens, GREEDY)
+        live = {n: w for n, w in cluster.workers.items() if n.endswith("-1")}
+        for worker in live.values():
+            await worker.check_idle.remote()
+
+    run(body())

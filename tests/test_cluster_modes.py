@@ -1,0 +1,106 @@
+"""The cluster's other shapes on the same Ray session (after test_cluster.py's cluster is gone):
+colocated only (the baseline), torch.distributed (gloo) KV transport with local prefill of
+short prompts, a herding guard that spreads a hot prefix, and a client that leaves mid-stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_cluster import ENGINE, GREEDY, SEEDED, assert_clean, collect, expected, prompt
+
+from cluster.launch import Cluster, start_cluster
+from cluster.messages import RequestSpec
+from cluster.topology import Topology
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+
+pytestmark = pytest.mark.e2e
+LOOP = asyncio.new_event_loop()
+COLOCATED = """
+model: {{path: {path}, name: test-llama}}
+pools:
+  prefill: {{replicas: 0}}
+  decode: {{replicas: 0}}
+  colocated: {{replicas: 2, num_cpus: 0.5, engine: {engine}}}
+"""
+TORCH = """
+model: {{path: {path}, name: test-llama}}
+domains: [a, b]
+pools:
+  prefill: {{replicas: 2, num_cpus: 0.5, engine: {engine}}}
+  decode: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
+transport: torch
+router: {{local_prefill_max_tokens: 8, herding_guard: 1}}
+"""
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return LOOP.run_until_complete(asyncio.wait_for(coro, 240))
+
+
+@pytest.fixture(scope="module")
+def colocated(test_llama: Path) -> LLMEngine:
+    return LLMEngine.from_checkpoint(test_llama, EngineConfig(**ENGINE), model_id="test-llama")
+
+
+@contextmanager
+def launch(text: str, path: Path) -> Iterator[Cluster]:
+    c = run(start_cluster(Topology.from_yaml_text(text.format(path=path, engine=ENGINE)), path))
+    try:
+        yield c
+    finally:
+        run(c.shutdown())
+
+
+def test_colocated_topology_serves_the_same_tokens(
+    ray_session: None, test_llama: Path, colocated: LLMEngine
+) -> None:
+    cases = [(prompt(n, n), p) for n in (5, 40) for p in (GREEDY, SEEDED)]
+
+    async def body(c: Cluster) -> None:
+        got = await asyncio.gather(*(collect(c, t, p) for t, p in cases))
+        assert got == [expected(colocated, t, p) for t, p in cases]
+        modes = {d["mode"] for d in await c.router.decisions.remote()}
+        assert modes == {"colocated"}
+        await assert_clean(c)
+
+    with launch(COLOCATED, test_llama) as c:
+        run(body(c))
+
+
+def test_torch_transport_local_prefill_herding_and_cancel(
+    ray_session: None, test_llama: Path, colocated: LLMEngine
+) -> None:
+    async def body(c: Cluster) -> None:
+        # Over torch.distributed (gloo), and a short prompt prefilled on the decode worker.
+        cases = [(prompt(60, 1), SEEDED), (prompt(6, 2), GREEDY)]
+        got = [await collect(c, t, p) for t, p in cases]
+        assert got == [expected(colocated, t, p) for t, p in cases]
+        modes = [d["mode"] for d in await c.router.decisions.remote()]
+        assert modes == ["disaggregated", "local_prefill"]
+        # A hot prefix, many at once: the guard keeps affinity from piling them on one.
+        hot = prompt(48, 3)
+        await collect(c, hot + [1], GREEDY)
+        await asyncio.sleep(0.3)
+        tails = [prompt(12, 100 + i) for i in range(8)]  # > local_prefill_max_tokens
+        await asyncio.gather(*(collect(c, hot + tail, GREEDY) for tail in tails))
+        recent = (await c.router.decisions.remote())[-8:]
+        assert {d["prefill"] for d in recent} == {"prefill-0", "prefill-1"}
+        assert any(d["hit_blocks"] == 3 for d in recent)
+        # A client that leaves mid-stream: the request is cancelled, every pool recovers.
+        spec = RequestSpec("leaver", prompt(30, 4), GREEDY, arrival_time=time.time())
+        stream = c.coordinator.generate(spec)
+        await stream.__anext__()
+        await stream.__anext__()
+        await stream.aclose()
+        assert c.coordinator.records[-1].status == "cancelled"
+        await assert_clean(c)
+
+    with launch(TORCH, test_llama) as c:
+        run(body(c))
