@@ -20,7 +20,8 @@ Tensor = torch.Tensor
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
-# ISO C++ mode turns FMA contraction off; math-errno off lets expf vectorise (libmvec).
+# ISO C++ mode turns FMA contraction off (the plain-loop fallback wants it); math-errno off keeps
+# the fallback's std::exp free of errno stores.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 
 

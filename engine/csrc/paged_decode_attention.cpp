@@ -1,15 +1,15 @@
 // Paged single-query (decode) attention on CPU, reading K/V in place through block tables.
 //
-// One OpenMP task per (sequence, kv_head): the task loads the GQA group of query heads that
-// share that kv head, walks the sequence's visible tokens block by block and keeps an online
-// (streaming) softmax in fp32, so every K/V row is read exactly once and nothing is gathered.
-// Per block: bf16 rows are widened once into a small fp32 buffer (fp32 rows are used in place),
-// the group's scores [group, n] come from a register-tiled dot kernel, one exp pass over them
-// rescales the running state, and P.V is accumulated with d-vectorised FMAs. Blocks are
-// scattered, so the next block's rows are prefetched while on this one.
+// One OpenMP task per (sequence, run of kv heads): for each kv head the task takes the GQA group
+// of query heads that share it and walks the sequence's visible tokens a tile (up to 64 tokens,
+// several blocks) at a time, keeping an online (streaming) softmax in fp32, so every K/V row is
+// read once from memory and nothing is gathered. Per tile and kv head: all the group's scores
+// (8 tokens per register tile, one transpose-and-add per 8 dots), one vectorised exp pass that
+// also rescales the running state, then P.V with the accumulators held in registers. Blocks are
+// scattered, so the next tile's rows are prefetched, a few lines between each kernel call.
 //
-// With AVX2+FMA (and d % 8 == 0) the block kernels use intrinsics; otherwise plain loops. An
-// AVX-512 build takes the AVX2 path too (__AVX2__ is defined there).
+// With AVX2+FMA (and d % 16 == 0) the kernels use intrinsics; otherwise plain loops. An AVX-512
+// build takes the AVX2 path too (__AVX2__ is defined there).
 
 #include <torch/extension.h>
 
@@ -30,62 +30,41 @@
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Rows of one block as fp32: bf16 is widened into `buf` (a 16-bit shift), fp32 is used in place.
-struct Rows {
-  const float* p;
-  int64_t stride;
-  const float* row(int64_t t) const { return p + t * stride; }
-};
-
-inline Rows as_fp32(const float* src, int64_t n, int64_t stride, int64_t d, float* buf) {
-  (void)n, (void)d, (void)buf;
-  return {src, stride};
-}
-
-inline Rows as_fp32(const at::BFloat16* src, int64_t n, int64_t stride, int64_t d, float* buf) {
-  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t t = 0; t < n; ++t) {
-    const uint16_t* s = bits + t * stride;
-    float* o = buf + t * d;
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) {
-      uint32_t widened = static_cast<uint32_t>(s[i]) << 16;
-      float f;
-      std::memcpy(&f, &widened, sizeof(f));
-      o[i] = f;
-    }
-  }
-  return {buf, d};
-}
+// Most tokens per online-softmax step (the step's max / exp / rescale is spread over them).
+constexpr int64_t kTile = 64;
 
 inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
-
-inline void store_row(const float* src, float* dst, int64_t d) {
-  std::memcpy(dst, src, sizeof(float) * d);
+inline float to_float(at::BFloat16 x) {
+  uint32_t widened = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &widened, sizeof(f));
+  return f;
 }
 
-inline void store_row(const float* src, at::BFloat16* dst, int64_t d) {
-  for (int64_t i = 0; i < d; ++i) dst[i] = at::BFloat16(src[i]);  // round to nearest even
-}
-
-template <typename T>
-inline void prefetch_rows(const T* first, int64_t rows, int64_t stride, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(first);
-  const int64_t row_bytes = d * static_cast<int64_t>(sizeof(T));
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < row_bytes; b += 64)
-      __builtin_prefetch(p + r * stride * static_cast<int64_t>(sizeof(T)) + b);
-}
+inline void store(float x, float* dst) { *dst = x; }
+inline void store(float x, at::BFloat16* dst) { *dst = at::BFloat16(x); }  // nearest even
 
 #ifdef TANDEM_AVX2
+// The vector kernels take 16 elements at a time as two fp32 vectors. A bf16 pair is widened
+// with one op per vector by splitting it into its even and odd elements, so in that case q
+// and the accumulators hold each 16-element chunk as [evens, odds] (see `slot`).
+inline void load16(const float* p, __m256& a, __m256& b) {
+  a = _mm256_loadu_ps(p);
+  b = _mm256_loadu_ps(p + 8);
+}
+
+inline void load16(const at::BFloat16* p, __m256& a, __m256& b) {
+  const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+  b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536)));
+}
+
 // exp for x <= 0 (scores minus their running max): Cephes expf range reduction and polynomial,
 // ~1 ulp; below ln(FLT_MIN) (and at -inf) it returns 0 instead of a subnormal.
 inline __m256 exp_nonpos(__m256 x) {
   const __m256 lo = _mm256_set1_ps(-87.33654f);
   const __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, lo), _mm256_setzero_ps());
+  x = _mm256_min_ps(_mm256_setzero_ps(), _mm256_max_ps(lo, x));  // NaN (2nd operand) stays
   const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // r = x - k ln2, with ln2 split in two so k * hi is exact.
@@ -113,64 +92,102 @@ inline __m256 hsum8(const __m256* a) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 
-// acc[0, W*8) += sum_t p[t] * v.row(t)[0, W*8): W accumulators stay in registers over the block.
-template <int W>
-inline void pv_tile(const float* p, Rows v, int64_t n, int64_t c, float* acc) {
-  __m256 a[W];
-  for (int j = 0; j < W; ++j) a[j] = _mm256_loadu_ps(acc + c + 8 * j);
+inline float hmax(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float hsum(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// acc[c, c + 16P) += sum_t p[t] * v[t][c, c + 16P), the accumulators held in registers.
+template <int P, typename T>
+inline void pv_tile(const float* p, const T* const* v, int64_t n, int64_t c, float* acc) {
+  __m256 a[2 * P];
+  for (int j = 0; j < 2 * P; ++j) a[j] = _mm256_loadu_ps(acc + c + 8 * j);
   for (int64_t t = 0; t < n; ++t) {
     const __m256 pt = _mm256_broadcast_ss(p + t);
-    const float* vr = v.row(t) + c;
-    for (int j = 0; j < W; ++j) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8 * j), a[j]);
+    for (int j = 0; j < P; ++j) {
+      __m256 x, y;
+      load16(v[t] + c + 16 * j, x, y);
+      a[2 * j] = _mm256_fmadd_ps(pt, x, a[2 * j]);
+      a[2 * j + 1] = _mm256_fmadd_ps(pt, y, a[2 * j + 1]);
+    }
   }
-  for (int j = 0; j < W; ++j) _mm256_storeu_ps(acc + c + 8 * j, a[j]);
+  for (int j = 0; j < 2 * P; ++j) _mm256_storeu_ps(acc + c + 8 * j, a[j]);
 }
 #endif
 
-// s[t] = q . k.row(t) for t < n; s has room for n rounded up to 8.
-inline void block_scores(const float* q, Rows k, int64_t n, int64_t d, float* s) {
+// Where element i of a head vector lives in q / the accumulators: bf16 on the vector path
+// keeps each 16-element chunk as [evens, odds] (load16); otherwise in place.
+template <typename T>
+inline int64_t slot(int64_t i, bool vec) {
+  if (!vec || sizeof(T) == sizeof(float)) return i;
+  return (i & ~int64_t{15}) + ((i & 1) << 3) + ((i & 15) >> 1);
+}
+
+// s[t] = q . k[t] for t < n (s has room for n rounded up to 8).
+template <typename T>
+inline void tile_scores(const float* q, const T* const* k, int64_t n, int64_t d, bool vec,
+                        float* s) {
 #ifdef TANDEM_AVX2
-  if (d % 8 == 0) {
+  if (vec) {
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
-      const float* r[8];  // 8 tokens at once: 8 independent FMA chains, one reduction
-      for (int64_t j = 0; j < 8; ++j) r[j] = k.row(std::min(t0 + j, n - 1));
+      const T* r[8];  // 8 tokens at once: 8 independent FMA chains, one reduction
+      for (int64_t j = 0; j < 8; ++j) r[j] = k[std::min(t0 + j, n - 1)];
       __m256 a[8];
       for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 8) {
-        const __m256 qi = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qi, _mm256_loadu_ps(r[j] + i), a[j]);
+      for (int64_t i = 0; i < d; i += 16) {
+        const __m256 q0 = _mm256_loadu_ps(q + i), q1 = _mm256_loadu_ps(q + i + 8);
+        for (int j = 0; j < 8; ++j) {
+          __m256 x, y;
+          load16(r[j] + i, x, y);
+          a[j] = _mm256_fmadd_ps(q1, y, _mm256_fmadd_ps(q0, x, a[j]));
+        }
       }
       _mm256_storeu_ps(s + t0, hsum8(a));
     }
     return;
   }
 #endif
+  (void)vec;
   for (int64_t t = 0; t < n; ++t) {
-    const float* kr = k.row(t);
+    const T* kr = k[t];
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = 0; i < d; ++i) acc += q[i] * kr[i];
+    for (int64_t i = 0; i < d; ++i) acc += q[i] * to_float(kr[i]);
     s[t] = acc;
   }
 }
 
-// s[t] = exp(s[t] - mx) for t < n; returns their sum.
-inline float block_exp(float* s, int64_t n, float mx) {
+inline float tile_max(float* s, int64_t n, float mx) {
 #ifdef TANDEM_AVX2
   const int64_t n8 = (n + 7) / 8 * 8;
-  for (int64_t t = n; t < n8; ++t) s[t] = kNegInf;  // padding lanes come out as 0
+  for (int64_t t = n; t < n8; ++t) s[t] = kNegInf;  // padding: exp() of it is 0 below
+  __m256 m = _mm256_set1_ps(mx);
+  for (int64_t t = 0; t < n8; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+  return hmax(m);
+#else
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  return mx;
+#endif
+}
+
+// s[t] = exp(s[t] - mx) for t < n; returns their sum.
+inline float tile_exp(float* s, int64_t n, float mx) {
+#ifdef TANDEM_AVX2
   __m256 sum = _mm256_setzero_ps();
   const __m256 m = _mm256_set1_ps(mx);
-  for (int64_t t = 0; t < n8; t += 8) {
+  for (int64_t t = 0; t < n; t += 8) {  // the padding up to a multiple of 8 is -inf -> 0
     const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
     _mm256_storeu_ps(s + t, e);
     sum = _mm256_add_ps(sum, e);
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, sum);
-  float total = 0.0f;
-  for (float x : lanes) total += x;
-  return total;
+  return hsum(sum);
 #else
   float total = 0.0f;
   for (int64_t t = 0; t < n; ++t) {
@@ -181,79 +198,177 @@ inline float block_exp(float* s, int64_t n, float mx) {
 #endif
 }
 
-// acc[0, d) += sum_t p[t] * v.row(t).
-inline void block_pv(const float* p, Rows v, int64_t n, int64_t d, float* acc) {
+// acc[0, d) += sum_t p[t] * v[t].
+template <typename T>
+inline void tile_pv(const float* p, const T* const* v, int64_t n, int64_t d, bool vec,
+                    float* acc) {
 #ifdef TANDEM_AVX2
-  if (d % 8 == 0) {
+  if (vec) {
     int64_t c = 0;
-    for (; c + 64 <= d; c += 64) pv_tile<8>(p, v, n, c, acc);
-    if (c + 32 <= d) pv_tile<4>(p, v, n, c, acc), c += 32;
-    if (c + 16 <= d) pv_tile<2>(p, v, n, c, acc), c += 16;
-    if (c + 8 <= d) pv_tile<1>(p, v, n, c, acc);
+    for (; c + 64 <= d; c += 64) pv_tile<4>(p, v, n, c, acc);
+    if (c + 32 <= d) pv_tile<2>(p, v, n, c, acc), c += 32;
+    if (c + 16 <= d) pv_tile<1>(p, v, n, c, acc);
     return;
   }
 #endif
+  (void)vec;
   for (int64_t t = 0; t < n; ++t) {
     const float pt = p[t];
-    const float* vr = v.row(t);
+    const T* vr = v[t];
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) acc[i] += pt * vr[i];
+    for (int64_t i = 0; i < d; ++i) acc[i] += pt * to_float(vr[i]);
   }
 }
 
+// Rows of a tile: k[t] / v[t] point at token t's K / V row, at the task's first kv head.
+template <typename T>
+struct Tile {
+  const T* k[kTile];
+  const T* v[kTile];
+  int64_t n = 0;
+};
+
+// The next tile's K then V lines, prefetched a few at a time between this tile's kernels:
+// blocks are scattered, and one burst of them would stall on the miss buffers.
+template <typename T>
+struct Prefetcher {
+  const Tile<T>* tile = nullptr;
+  int64_t lines = 0, which = 2, row = 0, line = 0, per_call = 0;  // which: 0 K, 1 V, 2 done
+  // Spread the tile's lines over `calls` calls of issue().
+  void start(const Tile<T>& next, int64_t row_bytes, int64_t calls) {
+    tile = &next;
+    lines = (row_bytes + 63) / 64;
+    which = row = line = 0;
+    per_call = (2 * next.n * lines + calls - 1) / calls;
+  }
+  void stop() { which = 2; }
+  void issue() {
+    for (int64_t count = per_call; count > 0 && which < 2; --count) {
+      const T* r = which == 0 ? tile->k[row] : tile->v[row];
+      __builtin_prefetch(reinterpret_cast<const char*>(r) + 64 * line);
+      if (++line == lines) {
+        line = 0;
+        if (++row == tile->n) row = 0, ++which;
+      }
+    }
+  }
+};
+
+// Sequence attention for the query heads of kv heads [g0, g1) over table positions
+// [start, end); q / out point at the first of those heads. The kv heads share the tile walk:
+// located once per tile, and a task with several reads contiguous rows.
 template <typename T>
 void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
-                 int64_t start, int64_t end, int64_t block_size, int64_t kv_heads, int64_t g,
-                 int64_t group, int64_t d, float scale, T* out, float* buf) {
-  // buf: q [group, d] | acc [group, d] | m, l [group] | scores [group, sw] | K, V [block, d]
-  const int64_t sw = (block_size + 7) / 8 * 8;
+                 int64_t start, int64_t end, int64_t block_size, int64_t kv_heads, int64_t g0,
+                 int64_t g1, int64_t group, int64_t d, float scale, T* out, float* buf) {
+#ifdef TANDEM_AVX2
+  const bool vec = d % 16 == 0;
+#else
+  const bool vec = false;
+#endif
+  const int64_t heads = (g1 - g0) * group;
+  // buf: q [heads, d] | acc [heads, d] | m, l [heads] | scores [group, kTile]
   float* qf = buf;
-  float* acc = qf + group * d;
-  float* m = acc + group * d;
-  float* l = m + group;
-  float* scores = l + group;
-  float* kbuf = scores + group * sw;
-  float* vbuf = kbuf + block_size * d;
-  for (int64_t h = 0; h < group; ++h) {
-    for (int64_t i = 0; i < d; ++i) qf[h * d + i] = to_float(q[h * d + i]) * scale;
+  float* acc = qf + heads * d;
+  float* m = acc + heads * d;
+  float* l = m + heads;
+  float* scores = l + heads;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t i = 0; i < d; ++i) qf[h * d + slot<T>(i, vec)] = to_float(q[h * d + i]) * scale;
     m[h] = kNegInf;
     l[h] = 0.0f;
   }
-  std::fill(acc, acc + group * d, 0.0f);
+  std::fill(acc, acc + heads * d, 0.0f);
   const int64_t token_stride = kv_heads * d;
-  for (int64_t pos = start; pos < end;) {
-    const int64_t off = pos % block_size;
-    const int64_t n = std::min(block_size - off, end - pos);
-    const int64_t base = (table[pos / block_size] * block_size + off) * token_stride + g * d;
-    if (pos + n < end) {  // blocks are scattered: fetch the next one's rows while on this one
-      const int64_t next = table[(pos + n) / block_size] * block_size * token_stride + g * d;
-      const int64_t rows = std::min(block_size, end - pos - n);
-      prefetch_rows(k_cache + next, rows, token_stride, d);
-      prefetch_rows(v_cache + next, rows, token_stride, d);
+  const int64_t row_bytes = (g1 - g0) * d * static_cast<int64_t>(sizeof(T));
+  // Tokens per tile: one kv head's K slice of it ~8 KB, so it stays in L1 while the group's
+  // heads go over it.
+  const int64_t tile_len =
+      std::clamp<int64_t>(8192 / (d * static_cast<int64_t>(sizeof(T))) / 8 * 8, 8, kTile);
+  auto locate = [&](int64_t pos, Tile<T>& tile) {
+    tile.n = std::min(tile_len, end - pos);
+    int64_t blk = pos / block_size, off = pos % block_size;
+    for (int64_t j = 0; j < tile.n; ++j) {
+      const int64_t row = (table[blk] * block_size + off) * token_stride + g0 * d;
+      tile.k[j] = k_cache + row;
+      tile.v[j] = v_cache + row;
+      if (++off == block_size) off = 0, ++blk;
     }
-    const Rows k = as_fp32(k_cache + base, n, token_stride, d, kbuf);
-    const Rows v = as_fp32(v_cache + base, n, token_stride, d, vbuf);
-    for (int64_t h = 0; h < group; ++h) {
-      float* sh = scores + h * sw;
-      block_scores(qf + h * d, k, n, d, sh);
-      float mx = m[h];
-      for (int64_t t = 0; t < n; ++t) mx = std::max(mx, sh[t]);
-      if (mx > m[h]) {  // the running max moved: rescale what was accumulated under the old one
-        const float alpha = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first block
-        l[h] *= alpha;
-        for (int64_t i = 0; i < d; ++i) acc[h * d + i] *= alpha;
-        m[h] = mx;
+  };
+  Tile<T> tiles[2];
+  Prefetcher<T> pf;
+  const T* kr[kTile];
+  const T* vr[kTile];
+  int cur = 0;
+  if (start < end) locate(start, tiles[0]);
+  for (int64_t pos = start; pos < end; cur ^= 1) {
+    const Tile<T>& tile = tiles[cur];
+    const int64_t n = tile.n;
+    pf.stop();
+    if (pos + n < end) {
+      locate(pos + n, tiles[cur ^ 1]);
+      pf.start(tiles[cur ^ 1], row_bytes, 2 * heads);
+    }
+    for (int64_t g = 0; g < g1 - g0; ++g) {
+      for (int64_t t = 0; t < n; ++t) kr[t] = tile.k[t] + g * d, vr[t] = tile.v[t] + g * d;
+      float* qg = qf + g * group * d;
+      float* ag = acc + g * group * d;
+      // All heads' scores, softmax, then all heads' P.V: the group shares the K (then V)
+      // rows of this kv head while they are in L1.
+      for (int64_t h = 0; h < group; ++h) {
+        pf.issue();
+        tile_scores(qg + h * d, kr, n, d, vec, scores + h * kTile);
       }
-      l[h] += block_exp(sh, n, mx);
-      block_pv(sh, v, n, d, acc + h * d);
+      for (int64_t h = 0; h < group; ++h) {
+        float* sh = scores + h * kTile;
+        float* ah = ag + h * d;
+        const int64_t hh = g * group + h;
+        const float mx = tile_max(sh, n, m[hh]);
+        if (mx > m[hh]) {  // the running max moved: rescale what was summed under the old one
+          const float alpha = std::exp(m[hh] - mx);  // exp(-inf) = 0 on the first tile
+          l[hh] *= alpha;
+          for (int64_t i = 0; i < d; ++i) ah[i] *= alpha;
+          m[hh] = mx;
+        }
+        l[hh] += tile_exp(sh, n, mx);
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        pf.issue();
+        tile_pv(scores + h * kTile, vr, n, d, vec, ag + h * d);
+      }
     }
     pos += n;
   }
-  for (int64_t h = 0; h < group; ++h) {
+  for (int64_t h = 0; h < heads; ++h) {
     const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // empty context -> zeros
-    float* ah = acc + h * d;
-    for (int64_t i = 0; i < d; ++i) ah[i] *= inv;
-    store_row(ah, out + h * d, d);
+    for (int64_t i = 0; i < d; ++i) store(acc[h * d + slot<T>(i, vec)] * inv, out + h * d + i);
+  }
+}
+
+// Work split: (sequence, run of kv heads) tasks, with as many kv heads per task as still
+// leaves about 8 tasks per thread for the dynamic schedule to balance uneven contexts.
+template <typename T>
+void run_tasks(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+               const int64_t* starts, const int64_t* ends, int64_t batch, int64_t heads,
+               int64_t d, int64_t block_size, int64_t kv_heads, int64_t width, float scale,
+               T* out, int threads) {
+  const int64_t group = heads / kv_heads;
+  int64_t per_task = kv_heads;
+  while (per_task > 1 && batch * (kv_heads / per_task) < 8 * threads)
+    for (--per_task; kv_heads % per_task != 0;) --per_task;  // next smaller divisor
+  const int64_t chunks = kv_heads / per_task, tasks = batch * chunks;
+  const int64_t buf_size = per_task * group * (2 * d + 2) + group * kTile;
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> buf(buf_size);  // per thread, reused by all its tasks
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < tasks; ++task) {
+      const int64_t b = task / chunks, g0 = task % chunks * per_task;
+      const int64_t head0 = b * heads + g0 * group;
+      decode_task<T>(q + head0 * d, k_cache, v_cache, tables + b * width, starts[b], ends[b],
+                     block_size, kv_heads, g0, g0 + per_task, group, d, scale, out + head0 * d,
+                     buf.data());
+    }
   }
 }
 
@@ -261,31 +376,10 @@ template <typename T>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& tables, const torch::Tensor& starts, const torch::Tensor& ends,
          double scale, torch::Tensor& out) {
-  const int64_t batch = q.size(0), heads = q.size(1), d = q.size(2);
-  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2);
-  const int64_t group = heads / kv_heads, width = tables.size(1);
-  const T* qp = q.data_ptr<T>();
-  const T* kp = k_cache.data_ptr<T>();
-  const T* vp = v_cache.data_ptr<T>();
-  const int64_t* tp = tables.data_ptr<int64_t>();
-  const int64_t* sp = starts.data_ptr<int64_t>();
-  const int64_t* ep = ends.data_ptr<int64_t>();
-  T* op = out.data_ptr<T>();
-  const int64_t tasks = batch * kv_heads;
-  const int64_t buf_size = 2 * group * d + 2 * group + group * ((block_size + 7) / 8 * 8) +
-                           2 * block_size * d;
-#pragma omp parallel num_threads(at::get_num_threads())
-  {
-    std::vector<float> buf(buf_size);  // per thread, reused by all its tasks
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / kv_heads, g = task % kv_heads;
-      const int64_t head0 = g * group;
-      decode_task<T>(qp + (b * heads + head0) * d, kp, vp, tp + b * width, sp[b], ep[b],
-                     block_size, kv_heads, g, group, d, static_cast<float>(scale),
-                     op + (b * heads + head0) * d, buf.data());
-    }
-  }
+  run_tasks<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
+               tables.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), ends.data_ptr<int64_t>(),
+               q.size(0), q.size(1), q.size(2), k_cache.size(1), k_cache.size(2), tables.size(1),
+               static_cast<float>(scale), out.data_ptr<T>(), at::get_num_threads());
 }
 
 }  // namespace
