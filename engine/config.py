@@ -87,8 +87,10 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["sdpa", "cpu_kernel"] = Field(
         "sdpa",
         description="decode attention: gather + SDPA, or the compiled C++ paged kernel "
-        "(CPU only; falls back to sdpa when it cannot be built). Experimental: measured at "
-        "parity per layer and slower in the engine so far, hence not the default",
+        "(CPU only; falls back to sdpa when it cannot be built). The kernel is 3-9x faster per "
+        "call and ~25% off a small-model bf16 decode step at batch 64 (2-core EPYC), but its "
+        "bf16 rounding differs from SDPA's: teacher-forced argmax agreement with transformers "
+        "drops to ~97% on the bf16 test model (the bar is 99%), hence not the default",
     )
     seed: int = Field(0, description="seed for requests that give none")
 
