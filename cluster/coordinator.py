@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -35,6 +36,7 @@ from engine.tokenizer import Tokenizer
 from router.policy import NoReplicaAvailable, RouteRequest
 
 logger = logging.getLogger(__name__)
+ROUTER_RESTART_WAIT_S = 30.0
 
 
 class AttemptFailed(RuntimeError):
@@ -174,10 +176,7 @@ class Coordinator:
             exclude_workers=frozenset(exclusions.workers),
             exclude_domains=frozenset(exclusions.domains),
         )
-        try:
-            decision = await self.router.choose.remote(route)
-        except NoReplicaAvailable as exc:
-            raise AttemptFailed(f"no replica: {exc}") from exc
+        decision = await self._choose(route, spec.deadline)
         generators: list[Any] = []
         try:
             if decision.prefill is None:  # colocated, or prefill on the decode worker
@@ -206,6 +205,20 @@ class Coordinator:
         finally:
             for gen in generators:
                 ray.cancel(gen)  # a worker still streaming this attempt stops and frees KV
+
+    async def _choose(self, route: RouteRequest, deadline: float | None) -> Any:
+        """The router's decision; while the router actor restarts (Ray brings it back, and the
+        workers' resyncs rebuild its view) wait for it, up to the deadline."""
+        give_up = min(deadline or math.inf, time.time() + ROUTER_RESTART_WAIT_S)
+        while True:
+            try:
+                return await self.router.choose.remote(route)
+            except NoReplicaAvailable as exc:
+                raise AttemptFailed(f"no replica: {exc}") from exc
+            except RayActorError as exc:
+                if time.time() >= give_up:
+                    raise AttemptFailed(f"router unavailable: {exc}") from exc
+                await asyncio.sleep(0.1)
 
     def _call(self, worker: str, method: str, *args: Any) -> Any:
         handle = self.workers[worker]

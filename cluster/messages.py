@@ -8,6 +8,7 @@ late message of a dead attempt matches nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from cluster.roles import Role
 from engine.sampler import SamplingSnapshot
@@ -95,3 +96,6 @@ class KVPullFailed(RuntimeError):
         super().__init__(message)
         self.worker = worker
         self.dead = dead
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray actor boundaries
+        return (KVPullFailed, (self.args[0], self.worker, self.dead))

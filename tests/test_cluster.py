@@ -90,10 +90,12 @@ async def collect(c: Cluster, tokens: list[int], params: SamplingParams, **kw: A
 
 async def assert_clean(c: Cluster) -> None:
     """P1 on every worker, P8 for every client request so far; then wait until the router
-    sees every worker healthy again (a crashed one rejoins after its restart)."""
+    sees every worker healthy again (a crashed one rejoins after its restart). Disarms faults
+    that did not fire, so they cannot hit the next test."""
     for worker in c.workers.values():
         while True:  # a crashed worker is restarting (Ray): its fresh pool must be clean too
             try:
+                await worker.set_faults.remote(FaultPlan())
                 await worker.check_idle.remote()
                 break
             except ActorUnavailableError:
@@ -204,6 +206,44 @@ def test_shared_prefix_hits_the_worker_that_holds_it(cluster: Cluster) -> None:
         first, second = before[-1], after[-1]
         assert second["prefill"] == first["prefill"]
         assert second["hit_blocks"] == 4
+        await assert_clean(cluster)
+
+    run(body())
+
+
+def test_router_view_recovers_after_worker_and_router_restarts(cluster: Cluster) -> None:
+    """P12: a restarted worker's cache gets no credit; a restarted router rebuilds the index
+    from the workers' resyncs (it credits cache that is there, exactly)."""
+    base = prompt(64, 55)
+
+    async def hits_after(tail: int) -> dict[str, int]:
+        await collect(cluster, base + [tail], GREEDY)
+        last = (await cluster.router.decisions.remote())[-1]
+        return {c["name"]: c["hit_blocks"] for c in last["candidates"] if c["role"] == "prefill"}
+
+    async def settle() -> None:
+        await asyncio.sleep(0.5)  # the reports reach the router
+        while True:
+            try:
+                if all(w.healthy for w in await cluster.router.worker_states.remote()):
+                    return
+            except ActorUnavailableError:  # the router itself is restarting
+                pass
+            await asyncio.sleep(0.1)
+
+    async def body() -> None:
+        await collect(cluster, base + [1], GREEDY)
+        await settle()
+        holder = (await cluster.router.decisions.remote())[-1]["prefill"]
+        ray.kill(cluster.router, no_restart=False)  # Ray restarts it, empty
+        await settle()
+        hits = await hits_after(2)
+        assert hits[holder] == 4  # rebuilt from the holder's resync
+        ray.kill(cluster.workers[holder], no_restart=False)
+        await assert_clean(cluster)
+        await settle()
+        hits = await hits_after(3)
+        assert hits[holder] == 0  # its cache died with it: no credit
         await assert_clean(cluster)
 
     run(body())
