@@ -211,6 +211,35 @@ def test_shared_prefix_hits_the_worker_that_holds_it(cluster: Cluster) -> None:
     run(body())
 
 
+def test_a_hung_worker_is_routed_around_then_rejoins(
+    cluster: Cluster, colocated: LLMEngine
+) -> None:
+    """Heartbeats: a decode worker that stops answering (its event loop stalls) is marked
+    FAILED by the router within the heartbeat timeout and gets no new work; its own request
+    completes exactly once it wakes, and it rejoins after the health check."""
+    slow, fresh = prompt(40, 21), prompt(40, 22)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+
+    async def body() -> None:
+        before = len(await cluster.router.decisions.remote())
+        task = asyncio.ensure_future(collect(cluster, slow, long))
+        while len(decisions := await cluster.router.decisions.remote()) <= before:
+            await asyncio.sleep(0.01)
+        hung = decisions[before]["decode"]
+        # Stalled 3x the heartbeat timeout: its silence, not its answers, must give it away.
+        stall = Fault(FaultPoint.DECODE_TOKENS, FaultAction.STALL, at=0, seconds=6.0)
+        await cluster.workers[hung].set_faults.remote(FaultPlan([stall]))
+        while any(w.healthy for w in await cluster.router.worker_states.remote() if w.name == hung):
+            await asyncio.sleep(0.1)
+        assert not task.done()  # marked FAILED while still hung
+        assert await collect(cluster, fresh, GREEDY) == expected(colocated, fresh, GREEDY)
+        assert (await cluster.router.decisions.remote())[-1]["decode"] != hung
+        assert await task == expected(colocated, slow, long)
+        await assert_clean(cluster)  # waits for it to be healthy again
+
+    run(body())
+
+
 def test_router_view_recovers_after_worker_and_router_restarts(cluster: Cluster) -> None:
     """P12: a restarted worker's cache gets no credit; a restarted router rebuilds the index
     from the workers' resyncs (it credits cache that is there, exactly)."""
