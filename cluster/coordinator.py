@@ -63,7 +63,7 @@ class ClientRecord:
     """Exactly one per client request (P8)."""
 
     request_id: str
-    status: str  # "finished" | "failed" | "cancelled"
+    status: str  # "finished" | "timed_out" | "failed" | "cancelled"
     finish_reason: str | None
     num_prompt_tokens: int
     num_output_tokens: int  # tokens delivered to the client
@@ -127,7 +127,7 @@ class Coordinator:
                 try:
                     async for delta in self._run_attempt(attempt, stream, exclusions):
                         yield delta
-                    status = "finished"
+                    status = "timed_out" if stream.finish_reason == "timeout" else "finished"
                     return
                 except AttemptFailed as exc:
                     logger.warning("%s failed: %s", attempt.attempt_id, exc)
@@ -140,6 +140,8 @@ class Coordinator:
                     why = self.budget.may_retry(attempts, spec.deadline)
                     if why is not None:
                         error = str(exc)
+                        if why == "deadline passed":
+                            status = "timed_out"
                         raise RetriesExhausted(spec.request_id, why, attempts, str(exc)) from exc
                     await asyncio.sleep(self.budget.policy.backoff_s)
         except (asyncio.CancelledError, GeneratorExit):
@@ -150,7 +152,7 @@ class Coordinator:
                 ClientRecord(
                     request_id=spec.request_id,
                     status=status,
-                    finish_reason=stream.finish_reason if status == "finished" else None,
+                    finish_reason=stream.finish_reason if status != "cancelled" else None,
                     num_prompt_tokens=len(spec.prompt_token_ids),
                     num_output_tokens=len(stream.tokens),
                     attempts=attempts,

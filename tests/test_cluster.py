@@ -240,6 +240,36 @@ def test_a_hung_worker_is_routed_around_then_rejoins(
     run(body())
 
 
+def test_cancel_and_deadline_races_leave_one_record_each(cluster: Cluster) -> None:
+    """P8 across the cluster: clients leave and deadlines expire at staggered moments of the
+    prefill, the hand-off and the decode; every request still ends with exactly one record and
+    every pool is back to baseline."""
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+
+    async def consume(rid: str, deadline: float) -> None:
+        spec = RequestSpec(rid, prompt(80, 7), params, deadline=deadline, arrival_time=time.time())
+        async for _ in cluster.coordinator.generate(spec):
+            pass
+
+    async def body() -> None:
+        now = time.time()
+        ids = [f"race-{i}" for i in range(8)]
+        tasks = [
+            asyncio.ensure_future(consume(rid, now + 0.01 + 0.04 * i)) for i, rid in enumerate(ids)
+        ]
+        for i, task in enumerate(tasks):
+            await asyncio.sleep(0.03)
+            if i % 2:
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        records = [r for r in cluster.coordinator.records if r.request_id in ids]
+        assert sorted(r.request_id for r in records) == sorted(ids)
+        assert {r.status for r in records} <= {"finished", "cancelled", "timed_out"}
+        await assert_clean(cluster)
+
+    run(body())
+
+
 def test_router_view_recovers_after_worker_and_router_restarts(cluster: Cluster) -> None:
     """P12: a restarted worker's cache gets no credit; a restarted router rebuilds the index
     from the workers' resyncs (it credits cache that is there, exactly)."""
