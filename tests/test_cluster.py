@@ -123,33 +123,24 @@ def test_disaggregated_equals_colocated(cluster: Cluster, colocated: LLMEngine) 
     run(body())
 
 
-def test_kill_prefill_mid_transfer_retries_exactly(cluster: Cluster, colocated: LLMEngine) -> None:
-    tokens = prompt(70, 3)
+@pytest.mark.parametrize(
+    "role, point, at, migrations",
+    [
+        ("prefill", FaultPoint.PREFILL_LAYERS, 1, 0),  # mid-transfer: retried, nothing sent yet
+        ("decode", FaultPoint.DECODE_TOKENS, 4, 1),  # mid-stream: migrated after 4 tokens
+    ],
+)
+def test_killed_worker_gives_the_fault_free_stream(
+    cluster: Cluster, colocated: LLMEngine, role: str, point: FaultPoint, at: int, migrations: int
+) -> None:
+    tokens = prompt(70 if role == "prefill" else 33, 3)
 
     async def body() -> None:
-        await arm(
-            cluster, "prefill", Fault(FaultPoint.PREFILL_LAYERS, FaultAction.CRASH, at=1, attempt=1)
-        )
+        await arm(cluster, role, Fault(point, FaultAction.CRASH, at=at, attempt=1))
         got = await collect(cluster, tokens, SEEDED)
         assert got == expected(colocated, tokens, SEEDED)
         [record] = cluster.coordinator.records[-1:]
-        assert record.attempts == 2 and record.migrations == 0
-        await assert_clean(cluster)
-
-    run(body())
-
-
-def test_kill_decode_mid_stream_migrates_exactly(cluster: Cluster, colocated: LLMEngine) -> None:
-    tokens = prompt(33, 5)
-
-    async def body() -> None:
-        await arm(
-            cluster, "decode", Fault(FaultPoint.DECODE_TOKENS, FaultAction.CRASH, at=4, attempt=1)
-        )
-        got = await collect(cluster, tokens, SEEDED)
-        assert got == expected(colocated, tokens, SEEDED)
-        [record] = cluster.coordinator.records[-1:]
-        assert record.attempts == 2 and record.migrations == 1
+        assert record.attempts == 2 and record.migrations == migrations
         await assert_clean(cluster)
 
     run(body())
