@@ -28,6 +28,7 @@ from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.errors import KVTransferError
 from kv_transfer.exporter import Frame, KVExportRegistry, ReleaseReason
 from kv_transfer.format import KVLayout, LayerChunk, TransferHeader, TransferKey
+from kv_transfer.memory import keep_transfer_buffers_resident
 from kv_transfer.torch_transport import DEFAULT_TIMEOUT_S, PairGroupHost, PendingSend, payload_bytes
 from kv_transfer.wire import (
     CHANNEL_OPTIONS,
@@ -58,6 +59,7 @@ class KVTransferServer:
         max_workers: int = 32,
         chunk_bytes: int = CHUNK_BYTES,
     ) -> None:
+        keep_transfer_buffers_resident()
         self.registry = registry
         self.host = host
         self.chunk_bytes = chunk_bytes

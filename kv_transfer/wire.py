@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -44,6 +45,7 @@ from kv_transfer.format import (
     transfer_digest,
     verify_chunk,
 )
+from kv_transfer.memory import keep_transfer_buffers_resident
 
 Tensor = torch.Tensor
 Sink = Callable[[LayerChunk], None]
@@ -243,7 +245,8 @@ class StreamReader:
 
 
 class GrpcStreamReader(StreamReader):
-    """gRPC mode: reassembles each layer from its byte-range messages (one copy per byte)."""
+    """gRPC mode: reassembles each layer from its byte-range messages (one copy per byte), or
+    takes a layer that came in one message as it is (no copy; the payload is then read-only)."""
 
     def __init__(self, key: TransferKey, layout: KVLayout, sink: Sink) -> None:
         super().__init__(key, layout, sink)
@@ -253,6 +256,14 @@ class GrpcStreamReader(StreamReader):
 
     def payload(self, header: TransferHeader, chunk: pb.Chunk, data: memoryview) -> Tensor | None:
         nbytes = header.layer_nbytes
+        if chunk.offset == 0 and len(data) == nbytes and self._buf is None:
+            # The whole layer in one message: use the received bytes in place (read-only).
+            self.start_layer(header, chunk)
+            shape = header.layout.payload_shape(header.num_blocks)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable"
+                flat = torch.frombuffer(data, dtype=torch.uint8) if nbytes else torch.empty(0)
+            return flat.view(header.layout.torch_dtype).view(shape)
         if chunk.offset == 0:
             if self._buf is not None:
                 raise KVTruncatedError(
@@ -288,6 +299,7 @@ class Channels:
     reconnect on their own)."""
 
     def __init__(self) -> None:
+        keep_transfer_buffers_resident()
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
 
