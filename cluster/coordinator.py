@@ -11,6 +11,8 @@ state after them and the stop-string holdback (the TextStream) all survive any w
 attempt fails (actor death, transport error, no room) the request is retried before its first
 token, or migrated after it: the next attempt recomputes prompt + received tokens on a healthy
 pair and continues from the sampler snapshot, so the client sees no duplicate and no gap (P5).
+A worker that hangs is caught the same way: every wait on a worker also ends when the router
+marks it FAILED for missed heartbeats (one long poll per event loop, ``_HealthWatch``).
 Every request ends with exactly one :class:`ClientRecord` (P8).
 """
 
@@ -85,6 +87,41 @@ class _ClientStream:
     finish_reason: str | None = None
 
 
+class _HealthWatch:
+    """The router's view of worker health, kept current by one long poll per event loop;
+    ``failed(worker)`` is an event that is set while the worker is FAILED."""
+
+    def __init__(self, router: Any) -> None:
+        self.router = router
+        self._events: dict[str, asyncio.Event] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def failed(self, worker: str) -> asyncio.Event:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._task is None or self._task.done():
+            if self._loop is not loop:
+                self._events = {}  # events belong to the loop that waits on them
+            self._loop = loop
+            self._task = loop.create_task(self._watch())
+        return self._events.setdefault(worker, asyncio.Event())
+
+    async def _watch(self) -> None:
+        version = -1
+        while True:
+            try:
+                version, health = await self.router.watch_health.remote(version, 10.0)
+            except RayActorError:  # the router restarts; its view comes back with it
+                await asyncio.sleep(0.2)
+                continue
+            for name, healthy in health.items():
+                event = self._events.setdefault(name, asyncio.Event())
+                if not healthy:
+                    event.set()
+                elif event.is_set():
+                    self._events[name] = asyncio.Event()  # healthy again: a fresh watch
+
+
 class Coordinator:
     def __init__(
         self,
@@ -104,6 +141,7 @@ class Coordinator:
         self.budget = RetryBudget(retry)
         self.transport = transport
         self.records: list[ClientRecord] = []
+        self._health = _HealthWatch(router)
 
     # -- the client API ------------------------------------------------------------------------
 
@@ -228,7 +266,7 @@ class Coordinator:
 
     async def _next(self, gen: Any, worker: str) -> Any:
         try:
-            ref = await gen.__anext__()
+            ref = await self._unless_failed(gen.__anext__(), worker)
         except StopAsyncIteration as exc:
             raise AttemptFailed(f"{worker} ended its stream early", worker) from exc
         except RayActorError as exc:
@@ -239,7 +277,7 @@ class Coordinator:
         """The result of a call to ``worker``, its failures as AttemptFailed (blaming the
         right worker)."""
         try:
-            return await ref
+            return await self._unless_failed(ref, worker)
         except RayActorError as exc:
             raise AttemptFailed(f"{worker} died: {type(exc).__name__}", worker, dead=True) from exc
         except Exception as exc:  # the worker raised (transfer error, no room, injected fault)
@@ -247,6 +285,25 @@ class Coordinator:
             if isinstance(cause, KVPullFailed):  # the KV's source is to blame, not the puller
                 raise AttemptFailed(str(cause), cause.worker, dead=cause.dead) from exc
             raise AttemptFailed(f"{worker}: {cause}", worker) from exc
+
+    async def _unless_failed(self, awaitable: Any, worker: str) -> Any:
+        """Await a worker's answer, unless the router marks the worker FAILED first (a hung
+        worker is found by its missed heartbeats; its request moves on instead of waiting)."""
+        failed = self._health.failed(worker)
+        answer = asyncio.ensure_future(awaitable)
+        try:
+            if not failed.is_set():
+                failure = asyncio.ensure_future(failed.wait())
+                try:
+                    await asyncio.wait({answer, failure}, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    failure.cancel()
+            if answer.done():
+                return answer.result()
+        finally:
+            if not answer.done():
+                answer.cancel()
+        raise AttemptFailed(f"{worker} is FAILED (router: missed heartbeats)", worker, True)
 
     async def _deliver(
         self, gen: Any, worker: str, stream: _ClientStream

@@ -13,6 +13,7 @@ empty index (CLEARED). A restarted router starts empty and rebuilds from the rep
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -60,6 +61,9 @@ class RouterActor:
         self.log: deque[dict[str, Any]] = deque(maxlen=1000)
         self._checking: set[str] = set()
         self._monitor: asyncio.Task[None] | None = None
+        # Health changes, for watch_health: the version counts them, the event fires on each.
+        self.health_version = 0
+        self._health_changed = asyncio.Event()
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Until every worker has reported once (start-up)."""
@@ -87,7 +91,7 @@ class RouterActor:
         self.index.apply(name, events)
         state.block_size = info.block_size
         self.last_seen[name] = time.time()
-        state.healthy = True
+        self._set_healthy(state, True)
         state.queue_depth = load.queue_depth
         state.num_running = load.num_running
         state.kv_usage = load.kv_usage
@@ -102,11 +106,26 @@ class RouterActor:
             return
         if state.healthy:
             logger.warning("worker %s FAILED: %s", name, why)
-        state.healthy = False
+        self._set_healthy(state, False)
         self.index.drop_worker(name)
         if name not in self._checking:
             self._checking.add(name)
             asyncio.get_running_loop().create_task(self._health_check(name))
+
+    def _set_healthy(self, state: WorkerState, healthy: bool) -> None:
+        if state.healthy != healthy:
+            state.healthy = healthy
+            self.health_version += 1
+            self._health_changed.set()
+            self._health_changed = asyncio.Event()
+
+    async def watch_health(self, version: int, timeout_s: float) -> tuple[int, dict[str, bool]]:
+        """Each worker's health, once it differs from ``version`` (or after ``timeout_s``): a
+        long poll, so coordinators learn at once that a worker they wait on went FAILED."""
+        if version == self.health_version:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._health_changed.wait(), timeout_s)
+        return self.health_version, {name: s.healthy for name, s in self.states.items()}
 
     async def _health_check(self, name: str) -> None:
         """Poll the (restarting) actor until it answers; then it may report again."""
