@@ -88,7 +88,7 @@ async def start_cluster(
             NAMESPACE,
         )
     )
-    workers = {s.name: _start_worker(s, topology, model_dir, model_id, router) for s in specs}
+    workers = {s.name: _start_worker(s, topology, model_dir, model_id) for s in specs}
     infos = await asyncio.wait_for(
         asyncio.gather(*(w.ready.remote() for w in workers.values())), READY_TIMEOUT_S
     )
@@ -107,9 +107,7 @@ async def start_cluster(
     return Cluster(topology, router, workers, {i.name: i for i in infos}, coordinator)
 
 
-def _start_worker(
-    spec: WorkerSpec, topology: Topology, model_dir: Path, model_id: str, router: Any
-) -> Any:
+def _start_worker(spec: WorkerSpec, topology: Topology, model_dir: Path, model_id: str) -> Any:
     cls = _ACTOR_CLASSES[spec.role]
     kwargs: dict[str, Any] = {}
     if spec.role is Role.PREFILL:
@@ -130,8 +128,9 @@ def _start_worker(
             str(model_dir),
             model_id,
             spec.engine,
-            router,
+            ROUTER_NAME,
             report_interval_s=min(0.05, topology.heartbeat_interval_s),
+            namespace=NAMESPACE,
             **kwargs,
         )
     )

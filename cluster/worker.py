@@ -19,7 +19,8 @@ import os
 import uuid
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import Any
+
+import ray
 
 from cluster.faults import FaultPlan, FaultPoint
 from cluster.messages import Attempt, TokenBatch, WorkerInfo, WorkerLoad
@@ -55,8 +56,9 @@ class EngineWorker:
         model_dir: str,
         model_id: str,
         engine_config: EngineConfig,
-        router: Any = None,  # the router actor's handle; None in tests that drive workers
+        router: str | None = None,  # the router actor's name; None in tests that drive workers
         report_interval_s: float = 0.05,
+        namespace: str = "tandem",
     ) -> None:
         self.name = name
         self.domain = domain
@@ -65,7 +67,9 @@ class EngineWorker:
         engine.kv.pool.record_events()
         self.engine = AsyncLLMEngine(engine)
         self.block_size = engine_config.block_size
-        self.router = router
+        # By name, not handle: a handle among the constructor's arguments would live in the
+        # object store, and Ray cannot restart an actor whose arguments were lost.
+        self.router = None if router is None else ray.get_actor(router, namespace=namespace)
         self.report_interval_s = report_interval_s
         self.faults = FaultPlan()
         self._changed: asyncio.Event | None = None  # created on the actor's loop
