@@ -33,12 +33,16 @@ from cluster.messages import Attempt, KVPullFailed, KVSource, RequestSpec, Token
 from cluster.retry import Exclusions, RetriesExhausted, RetryBudget, RetryPolicy
 from engine.detokenizer import TextStream
 from engine.kv_cache_manager import prefix_hashes
-from engine.sampler import SamplingSnapshot
+from engine.sampler import SamplingSnapshot, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from router.policy import NoReplicaAvailable, RouteRequest
 
 logger = logging.getLogger(__name__)
 ROUTER_RESTART_WAIT_S = 30.0
+# Token batches a worker's stream may run ahead of this side before it blocks (Ray generator
+# backpressure); the engine behind it then fills its own bounded buffer and pauses the request.
+STREAM_AHEAD_BATCHES = 4
+_STREAMING = frozenset({"generate", "decode"})
 
 
 class AttemptFailed(RuntimeError):
@@ -58,6 +62,7 @@ class ClientDelta:
     text: str
     finished: bool = False
     finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
 
 
 @dataclass(frozen=True)
@@ -233,7 +238,11 @@ class Coordinator:
             first: TokenBatch = await self._next(prefill, decision.prefill)
             handed_off = first.finish_reason == "handed_off"
             if handed_off:
-                first = TokenBatch(first.token_ids, sampler_snapshot=first.sampler_snapshot)
+                first = TokenBatch(
+                    first.token_ids,
+                    sampler_snapshot=first.sampler_snapshot,
+                    logprobs=first.logprobs,
+                )
             for delta in self._accept(first, decision.prefill, stream):
                 yield delta
             if not handed_off or stream.finish_reason is not None:
@@ -261,8 +270,10 @@ class Coordinator:
                 await asyncio.sleep(0.1)
 
     def _call(self, worker: str, method: str, *args: Any) -> Any:
-        handle = self.workers[worker]
-        return getattr(handle, method).remote(*args)
+        call = getattr(self.workers[worker], method)
+        if method in _STREAMING:  # a slow client stops the worker's stream, then its engine
+            call = call.options(_generator_backpressure_num_objects=STREAM_AHEAD_BATCHES)
+        return call.remote(*args)
 
     async def _next(self, gen: Any, worker: str) -> Any:
         try:
@@ -320,17 +331,19 @@ class Coordinator:
         if batch.error is not None:
             raise AttemptFailed(f"{worker}: {batch.error}", worker)
         deltas: list[ClientDelta] = []
-        for token in batch.token_ids:
+        want_logprobs = stream.spec.params.logprobs is not None
+        for i, token in enumerate(batch.token_ids):
             if stream.first_token_at is None:
                 stream.first_token_at = time.time()
             stream.tokens.append(token)
             step = stream.text.step(token)
-            if step.text:
-                deltas.append(ClientDelta([token], step.text))
-            elif deltas:
-                deltas[-1].token_ids.append(token)
+            logprobs = [batch.logprobs[i]] if want_logprobs and batch.logprobs else None
+            if step.text or not deltas:
+                deltas.append(ClientDelta([token], step.text, logprobs=logprobs))
             else:
-                deltas.append(ClientDelta([token], ""))
+                deltas[-1].token_ids.append(token)
+                if logprobs is not None and deltas[-1].logprobs is not None:
+                    deltas[-1].logprobs.extend(logprobs)
             if step.stop_matched is not None:
                 stream.finish_reason = "stop"
                 break

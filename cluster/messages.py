@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cluster.roles import Role
-from engine.sampler import SamplingSnapshot
+from engine.sampler import SamplingSnapshot, TokenLogprobs
 from engine.sampling_params import SamplingParams
 
 
@@ -65,6 +65,7 @@ class TokenBatch:
     finish_reason: str | None = None  # OpenAI's, or "handed_off" from a prefill worker
     sampler_snapshot: SamplingSnapshot | None = None  # after the last token, when tracked
     error: str | None = None
+    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class WorkerInfo:
     kv_address: str | None  # prefill workers serve KV; None for the others
     block_size: int
     incarnation: str  # changes on every (re)start: a router drops state of an old one
+    max_model_len: int = 0  # prompt + output tokens this worker's engine takes
+    vocab_size: int = 0
 
 
 @dataclass(frozen=True)

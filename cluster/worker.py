@@ -25,7 +25,7 @@ import ray
 from cluster.faults import FaultPlan, FaultPoint
 from cluster.messages import Attempt, TokenBatch, WorkerInfo, WorkerLoad
 from cluster.roles import Role
-from engine.async_engine import AsyncLLMEngine
+from engine.async_engine import AsyncLLMEngine, BackpressureStats
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, StreamOutput
 from engine.kv_cache_manager import KVStats
@@ -41,6 +41,7 @@ def batch_of(out: StreamOutput) -> TokenBatch:
         finished=out.finished,
         finish_reason=out.finish_reason,
         sampler_snapshot=out.sampler_snapshot,
+        logprobs=out.logprobs,
     )
 
 
@@ -67,6 +68,8 @@ class EngineWorker:
         engine.kv.pool.record_events()
         self.engine = AsyncLLMEngine(engine)
         self.block_size = engine_config.block_size
+        self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.model_config.vocab_size
         # By name, not handle: a handle among the constructor's arguments would live in the
         # object store, and Ray cannot restart an actor whose arguments were lost.
         self.router = None if router is None else ray.get_actor(router, namespace=namespace)
@@ -95,6 +98,8 @@ class EngineWorker:
             kv_address=self.kv_address(),
             block_size=self.block_size,
             incarnation=self.incarnation,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
         )
 
     async def set_faults(self, plan: FaultPlan) -> None:
@@ -205,6 +210,10 @@ class EngineWorker:
         await self.engine.wait_idle()
         await self.engine.call(lambda e: e.kv.check_idle())
         return self.engine.kv_stats()
+
+    async def backpressure_stats(self) -> BackpressureStats:
+        """How often a slow consumer paused a request here, and the deepest buffer it saw."""
+        return self.engine.backpressure_stats()
 
     async def pid(self) -> int:
         return os.getpid()

@@ -151,11 +151,13 @@ class PrefillWorker(EngineWorker):
             handed_off = final.finish_reason == "handed_off"
             if not handed_off:
                 export.fail(f"the request ended at its first token ({final.finish_reason})")
+            logprobs = [lp for o in outs for lp in o.logprobs or []]
             yield TokenBatch(
                 token_ids=[t for o in outs for t in o.token_ids],
                 finished=True,
                 finish_reason=final.finish_reason,
                 sampler_snapshot=final.sampler_snapshot,
+                logprobs=logprobs if attempt.request.params.logprobs is not None else None,
             )
             if handed_off:
                 await released.wait()
