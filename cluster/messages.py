@@ -89,6 +89,7 @@ class WorkerLoad:
     queue_depth: int  # requests admitted but not running
     num_running: int
     kv_usage: float  # in-use blocks / total, in [0, 1]
+    prefix_hit_ratio: float = 0.0  # prompt tokens found in the prefix cache / looked up
 
 
 class KVPullFailed(RuntimeError):

@@ -123,6 +123,7 @@ class EngineWorker:
             queue_depth=queue,
             num_running=running,
             kv_usage=stats.in_use_blocks / stats.total_blocks,
+            prefix_hit_ratio=stats.prefix_hit_ratio,
         )
 
     async def take_kv_events(self) -> list[KVEvent]:

@@ -90,6 +90,15 @@ class KVStats:
     host_free_blocks: int
     logical_slots: int  # tokens actually stored (sum of device-resident sequence lengths)
     allocated_slots: int  # sum over sequences of blocks held * block_size (shows fragmentation)
+    # Prefix cache, over every request admitted so far: tokens looked up and tokens found.
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+    @property
+    def prefix_hit_ratio(self) -> float:
+        return (
+            self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+        )
 
 
 @dataclass
@@ -124,6 +133,8 @@ class KVCacheManager:
         self.model_id = model_id
         self._seqs: dict[str, _Seq] = {}
         self._reserved: dict[str, int] = {}  # request id -> reserved blocks (bookkeeping only)
+        self._prefix_query_tokens = 0
+        self._prefix_hit_tokens = 0
         self._pending_copies: list[tuple[int, int]] = []
         # Blocks each request newly cached this step: their KV is only computed by the
         # step's forward, so a same-step preemption must take them back out of the cache.
@@ -234,6 +245,8 @@ class KVCacheManager:
                 return None
             if seq is None:
                 seq = self._seqs[rid] = _Seq(extra_keys=self._extra_keys(request))
+                self._prefix_query_tokens += request.num_tokens
+                self._prefix_hit_tokens += len(computed) * bs
             self.pool.incref(computed)
             seq.blocks = table
             new_blocks = self._take_blocks(table, cow, num_grow, start)
@@ -418,6 +431,8 @@ class KVCacheManager:
             host_free_blocks=self.host_pool.num_free,
             logical_slots=sum(s.num_slots for s in on_device),
             allocated_slots=sum(len(s.blocks) for s in on_device) * self.block_size,
+            prefix_query_tokens=self._prefix_query_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
         )
 
     def check(self) -> None:

@@ -95,6 +95,7 @@ class RouterActor:
         state.queue_depth = load.queue_depth
         state.num_running = load.num_running
         state.kv_usage = load.kv_usage
+        state.prefix_hit_ratio = load.prefix_hit_ratio
 
     async def worker_failed(self, name: str) -> None:
         """The coordinator saw ``name`` die (actor death, transport UNAVAILABLE)."""

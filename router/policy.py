@@ -92,6 +92,7 @@ class WorkerState:
     queue_depth: int = 0  # admitted, not yet running
     num_running: int = 0
     kv_usage: float = 0.0  # in-use KV blocks / total, in [0, 1]
+    prefix_hit_ratio: float = 0.0  # reported, for metrics (the cost uses the exact index)
     block_size: int = 16  # tokens per KV block (EngineConfig's default)
 
     def __post_init__(self) -> None:

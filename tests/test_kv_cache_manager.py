@@ -130,6 +130,10 @@ def test_d08_prefix_sharing_saves_one_block() -> None:
     assert kv.stats().in_use_blocks == 3
     assert kv.block_table("a")[0] == kv.block_table("b")[0]
     assert kv.pool.refcount(kv.block_table("a")[0]) == 2
+    # The hit ratio counts prompt tokens looked up (6 + 7) and found (4, b's shared block).
+    stats = kv.stats()
+    assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (13, 4)
+    assert stats.prefix_hit_ratio == 4 / 13
     kv.check()
 
 
