@@ -88,7 +88,8 @@ async def start_cluster(
             NAMESPACE,
         )
     )
-    workers = {s.name: _start_worker(s, topology, model_dir, model_id) for s in specs}
+    by_label = nodes_carry_label(topology.label_key)
+    workers = {s.name: _start_worker(s, topology, model_dir, model_id, by_label) for s in specs}
     infos = await asyncio.wait_for(
         asyncio.gather(*(w.ready.remote() for w in workers.values())), READY_TIMEOUT_S
     )
@@ -107,11 +108,21 @@ async def start_cluster(
     return Cluster(topology, router, workers, {i.name: i for i in infos}, coordinator)
 
 
-def _start_worker(spec: WorkerSpec, topology: Topology, model_dir: Path, model_id: str) -> Any:
+def nodes_carry_label(label_key: str) -> bool:
+    """Whether the cluster's nodes are labelled with failure domains (a real cluster started
+    with ``ray start --labels``); if none is, the topology's domains are logical (one machine)."""
+    return any(label_key in (node.get("Labels") or {}) for node in ray.nodes() if node["Alive"])
+
+
+def _start_worker(
+    spec: WorkerSpec, topology: Topology, model_dir: Path, model_id: str, by_label: bool
+) -> Any:
     cls = _ACTOR_CLASSES[spec.role]
     kwargs: dict[str, Any] = {}
     if spec.role is Role.PREFILL:
         kwargs["lease_timeout_s"] = topology.lease_timeout_s
+    # On a labelled cluster a worker's domain is where it runs: schedule it on such a node.
+    placement = {"label_selector": {topology.label_key: spec.domain}} if by_label else {}
     return (
         ray.remote(cls)
         .options(
@@ -121,6 +132,7 @@ def _start_worker(spec: WorkerSpec, topology: Topology, model_dir: Path, model_i
             num_gpus=spec.num_gpus,
             max_restarts=-1,
             max_task_retries=0,
+            **placement,
         )
         .remote(
             spec.name,

@@ -19,6 +19,7 @@ from typing import Any, Literal, cast
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from api.gate import GateConfig
 from cluster.roles import Role
 from engine.cli import DEFAULT_DEMO_SIZE, demo_model_dir
 from engine.config import EngineConfig
@@ -170,6 +171,12 @@ class RetrySpec(_Section):
     backoff_s: float = Field(0.05, ge=0, description="wait before a retry")
 
 
+class ServeSpec(_Section):
+    """The HTTP ingress: its phase-1 gate (body size, API keys -> tenants, quotas)."""
+
+    gate: GateConfig = Field(default_factory=GateConfig)
+
+
 @dataclass(frozen=True)
 class WorkerSpec:
     """One worker to start: where it goes, what it may use, and its engine limits."""
@@ -193,6 +200,7 @@ class Topology(_Section):
     transport: Transport = Transport.AUTO
     router: RouterSpec = Field(default_factory=RouterSpec)
     retry: RetrySpec = Field(default_factory=RetrySpec)
+    serve: ServeSpec = Field(default_factory=ServeSpec)
     lease_timeout_s: float = Field(
         30.0, gt=0, description="how long a prefill worker holds a request's KV for decode"
     )
@@ -382,4 +390,6 @@ def _describe(err: Any) -> str:
         "enum": f"must be one of {ctx.get('expected')}",
         "value_error": str(problem),
     }
-    return f"{path or '<top>'}: {_show(err['input'])} ({reasons.get(kind, err['msg'])})"
+    # API keys are secrets: an error about them names the field, never the value.
+    shown = "<hidden>" if path.startswith("serve.gate.api_keys") else _show(err["input"])
+    return f"{path or '<top>'}: {shown} ({reasons.get(kind, err['msg'])})"

@@ -216,5 +216,9 @@ class EngineWorker:
         """How often a slow consumer paused a request here, and the deepest buffer it saw."""
         return self.engine.backpressure_stats()
 
+    async def node_id(self) -> str:
+        """The Ray node this worker runs on (its failure domain is that node's label)."""
+        return str(ray.get_runtime_context().get_node_id())
+
     async def pid(self) -> int:
         return os.getpid()

@@ -1,4 +1,5 @@
-"""The ``tandem`` command line: ``demo-model`` and ``generate`` (``serve`` arrives with the HTTP issue)."""
+"""The ``tandem`` command line: ``demo-model``, ``generate`` (one engine, in process) and
+``serve`` (the OpenAI API of a cluster on Ray Serve: api/launch.py)."""
 
 from __future__ import annotations
 
@@ -149,7 +150,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--kv-cache-mb", type=int, default=256)
     _add_sampling_flags(g)
     g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve the OpenAI API on Ray Serve (Ctrl-C stops)")
+    s.add_argument("--model", default=None, help="local HF checkpoint dir (default: topology's)")
+    s.add_argument("--topology", default=None, help="topology YAML (default: local.yaml)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--address", default=None, help="join this Ray cluster (default: start one)")
+    s.set_defaults(func=cmd_serve)
     return p
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from api.deployment import DEFAULT_TOPOLOGY
+    from api.launch import serve_forever
+
+    topology = Path(a.topology) if a.topology else DEFAULT_TOPOLOGY
+    model = Path(a.model) if a.model else None
+    return serve_forever(topology, model, a.host, a.port, a.address)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -320,3 +320,36 @@ def test_losing_a_failure_domain_keeps_serving(cluster: Cluster, colocated: LLME
             await worker.check_idle.remote()
 
     run(body())
+
+
+def test_a_slow_consumer_backpressures_the_decode_engine(
+    cluster: Cluster, colocated: LLMEngine
+) -> None:
+    """A client that stops pulling its stream stops the decode worker's engine: the worker's
+    Ray stream blocks a few batches ahead, the engine's bounded buffer fills and the request
+    goes BACKPRESSURED (KV kept, no tokens); pulling again completes it exactly."""
+    tokens = prompt(30, 31)
+    params = SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+
+    async def body() -> None:
+        decodes = [w for n, w in cluster.workers.items() if n.startswith("decode")]
+        before = [await w.backpressure_stats.remote() for w in decodes]
+        spec = RequestSpec(f"r{next(_ids)}", tokens, params, arrival_time=time.time())
+        stream = cluster.coordinator.generate(spec)
+        got: list[int] = []
+        while len(got) < 3:  # past the hand-off: the decode worker is streaming
+            got += (await stream.__anext__()).token_ids
+        give_up = time.time() + 90
+        while True:  # not pulling: wait for the engine to pause the request
+            now = [await w.backpressure_stats.remote() for w in decodes]
+            if any(n.pauses > b.pauses for n, b in zip(now, before, strict=True)):
+                break
+            assert time.time() < give_up, f"never backpressured: {now}"
+            await asyncio.sleep(0.2)
+        assert all(n.max_buffered <= 64 for n in now)  # the engine's per-request bound
+        async for delta in stream:
+            got += delta.token_ids
+        assert got == expected(colocated, tokens, params)
+        await assert_clean(cluster)
+
+    run(body())

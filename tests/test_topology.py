@@ -281,3 +281,14 @@ def test_placement_property(layout: dict[str, Any]) -> None:
             assert max(per_domain) - min(per_domain) <= 1
         else:
             assert set(counts) <= {allowed[0]}
+
+
+def test_serve_section_errors_name_the_field_but_never_an_api_key() -> None:
+    base = "pools: {prefill: {replicas: 1}, decode: {replicas: 1}}\n"
+    text = base + "serve: {gate: {api_keys: {'sk-secret value': alice}}}\n"
+    with pytest.raises(TopologyError) as info:
+        Topology.from_yaml_text(text)
+    assert "serve.gate.api_keys" in str(info.value)
+    assert "sk-secret" not in str(info.value)
+    ok = Topology.from_yaml_text(base + "serve: {gate: {api_keys: {sk-1: alice}}}\n")
+    assert ok.serve.gate.api_keys == {"sk-1": "alice"}

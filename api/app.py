@@ -1,0 +1,449 @@
+"""What the ingress does with one HTTP request (seed §1.1): gate, parse, tokenise, check the
+context limit, run each choice through the cluster's coordinator, answer or stream.
+
+::
+
+    body ──> IngressGate.admit (413 / 401 / 429: nothing tokenised yet, phase 1)
+         ──> protocol.parse_* (400 naming the field) ──> tokenise ──> context limit (400)
+         ──> one Coordinator.generate per choice (phase 2: the engine's admission and KV
+             reservation; a rejection there is a retry elsewhere, then a typed error)
+         ──> JSON, or SSE chunks through a bounded per-request queue
+
+Backpressure: a client that reads slowly stops pulling the SSE generator; the choices' tasks
+then block on the bounded queue, stop pulling the coordinator, the worker's Ray stream stops
+after a few batches (``_generator_backpressure_num_objects``) and the engine pauses the request
+(BACKPRESSURED) once its own bounded buffer fills. Memory stays bounded at every hop.
+A client that disconnects cancels the SSE generator, which cancels its choices, which cancel
+their attempts on the workers: the KV is freed within a scheduler tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from api import protocol
+from api.gate import IngressGate, Rejected, Ticket
+from api.metrics import Metrics, RequestTiming, log_record
+from api.protocol import APIError
+from cluster.coordinator import ClientDelta, Coordinator
+from cluster.launch import Cluster
+from cluster.messages import RequestSpec
+from cluster.retry import RetriesExhausted
+from engine.sampler import TokenLogprobs
+from engine.sampling_params import SamplingParams
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("tandem.api")
+# SSE chunks a request may have ready for a slow client before its choices stop pulling.
+STREAM_BUFFER = 8
+# A client may ask for a shorter timeout than the topology's deadline (seconds, a float).
+TIMEOUT_HEADER = "X-Request-Timeout"
+
+
+@dataclass
+class _Choice:
+    """One choice's accumulated output (the non-streaming answer, the usage count)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A parsed, admitted request: its choices' prompts and parameters."""
+
+    meta: protocol.ResponseMeta
+    chat: bool
+    prompts: list[list[int]]  # one per choice (prompt i's choices are i*n .. i*n + n - 1)
+    params: list[SamplingParams]  # one per choice
+    prompt_tokens: int  # each prompt counted once, whatever n
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    tenant: str
+    deadline: float
+    arrival: float
+
+
+class Service:
+    """Everything one ingress replica needs; the Serve deployment delegates its routes here."""
+
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        router: Any,
+        tokenizer: Tokenizer,
+        model_name: str,
+        max_model_len: int,
+        vocab_size: int,
+        gate: IngressGate,
+        metrics: Metrics,
+        request_timeout_s: float,
+    ) -> None:
+        self.coordinator = coordinator
+        self.router = router
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.gate = gate
+        self.metrics = metrics
+        self.request_timeout_s = request_timeout_s
+
+    @classmethod
+    def for_cluster(cls, cluster: Cluster, model_dir: Path) -> Service:
+        spec = cluster.topology
+        infos = list(cluster.infos.values())
+        return cls(
+            coordinator=cluster.coordinator,
+            router=cluster.router,
+            tokenizer=Tokenizer(model_dir),
+            model_name=spec.model.name,
+            max_model_len=min(i.max_model_len for i in infos),
+            vocab_size=infos[0].vocab_size,
+            gate=IngressGate(spec.serve.gate),
+            metrics=Metrics(),
+            request_timeout_s=spec.retry.deadline_s,
+        )
+
+    # -- routes --------------------------------------------------------------------------------
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, "completion")
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, "chat")
+
+    def models(self) -> Response:
+        return JSONResponse(protocol.models_response([self.model_name]))
+
+    async def health(self) -> Response:
+        try:
+            await self.check_ready()
+        except RuntimeError as exc:
+            return JSONResponse({"status": "unavailable", "reason": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def check_ready(self) -> None:
+        """Raises RuntimeError unless the router sees a replica that can serve."""
+        states = await self.router.worker_states.remote()
+        healthy = {s.role.value for s in states if s.healthy}
+        if not ({"prefill", "decode"} <= healthy or "colocated" in healthy or "decode" in healthy):
+            raise RuntimeError(f"no healthy serving replica (healthy roles: {sorted(healthy)})")
+
+    async def metrics_response(self) -> Response:
+        for s in await self.router.worker_states.remote():
+            self.metrics.set_worker(
+                s.name, s.kv_usage, s.queue_depth, s.num_running, s.prefix_hit_ratio
+            )
+        text, content_type = self.metrics.render()
+        return Response(text, media_type=content_type)
+
+    # -- one request ---------------------------------------------------------------------------
+
+    async def _handle(self, request: Request, kind: str) -> Response:
+        arrival = time.time()
+        body = await request.body()
+        try:
+            ticket = self.gate.admit(request.headers, len(body))
+        except Rejected as exc:
+            self._rejected(arrival, "unknown", str(exc.code))
+            err = APIError(exc.status, exc.message, code=str(exc.code))
+            return JSONResponse(err.body(), status_code=exc.status, headers=exc.headers())
+        try:
+            timeout_s = self._timeout(request.headers.get(TIMEOUT_HEADER))
+            job = self._parse(body, kind, ticket.tenant, arrival, timeout_s)
+        except APIError as exc:
+            ticket.release()
+            cause = "context_length" if exc.code == "context_length_exceeded" else "invalid_request"
+            self._rejected(arrival, ticket.tenant, cause)
+            return JSONResponse(exc.body(), status_code=exc.status)
+        if job.stream:
+            return StreamingResponse(
+                self._stream(job, ticket), media_type="text/event-stream", headers=_SSE_HEADERS
+            )
+        try:
+            return await self._complete(job)
+        finally:
+            ticket.release()
+
+    def _rejected(self, arrival: float, tenant: str, cause: str) -> None:
+        self.metrics.observe_rejection(cause)
+        timing = RequestTiming(
+            request_id="-",
+            tenant=tenant,
+            status="rejected",
+            finish_reason=None,
+            arrival=arrival,
+            emit_times=[],
+            finished=time.time(),
+            num_prompt_tokens=0,
+            queue_time_s=None,
+        )
+        self.metrics.observe_request(timing)
+
+    def _timeout(self, header: str | None) -> float:
+        """The request's timeout: the topology's deadline, or less if the client asks."""
+        if header is None:
+            return self.request_timeout_s
+        try:
+            value = float(header)
+        except ValueError:
+            value = math.nan
+        if not 0 < value <= self.request_timeout_s:
+            raise APIError(
+                400,
+                f"{TIMEOUT_HEADER}: {header!r} is not a number of seconds in "
+                f"(0, {self.request_timeout_s:g}]",
+                param=TIMEOUT_HEADER,
+                code="invalid_timeout",
+            )
+        return value
+
+    def _parse(self, body: bytes, kind: str, tenant: str, arrival: float, timeout_s: float) -> _Job:
+        if kind == "chat":
+            req: Any = protocol.parse_chat(body)
+            protocol.check_model(req.model, [self.model_name])
+            prompts = [protocol.chat_prompt(req, self.tokenizer)]
+        else:
+            req = protocol.parse_completion(body)
+            protocol.check_model(req.model, [self.model_name])
+            prompts = protocol.completion_prompts(req, self.tokenizer)
+        longest = max(len(p) for p in prompts)
+        default_max = max(self.max_model_len - longest, 1)
+        base = protocol.sampling_params(
+            req, vocab_size=self.vocab_size, default_max_tokens=default_max
+        )
+        for p in prompts:
+            if len(p) + base.max_tokens > self.max_model_len:
+                raise APIError(
+                    400,
+                    f"this model's maximum context length is {self.max_model_len} tokens; the "
+                    f"request asks for {len(p)} prompt + {base.max_tokens} output tokens",
+                    param="max_tokens" if len(p) < self.max_model_len else "prompt",
+                    code="context_length_exceeded",
+                )
+        choice_prompts, choice_params = [], []
+        for p in prompts:
+            for i in range(req.n):
+                choice_prompts.append(p)
+                choice_params.append(protocol.choice_params(base, i))
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        return _Job(
+            meta=protocol.ResponseMeta(f"{prefix}-{uuid.uuid4().hex}", req.model, int(arrival)),
+            chat=kind == "chat",
+            prompts=choice_prompts,
+            params=choice_params,
+            prompt_tokens=sum(len(p) for p in prompts),
+            stream=bool(req.stream),
+            include_usage=req.include_usage,
+            logprobs=base.logprobs is not None,
+            tenant=tenant,
+            deadline=arrival + timeout_s,
+            arrival=arrival,
+        )
+
+    async def _complete(self, job: _Job) -> Response:
+        choices = [_Choice(i) for i in range(len(job.prompts))]
+        try:
+            async for index, delta in self._run(job):
+                _absorb(choices[index], delta)
+        except APIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status)
+        done = [
+            protocol.Choice(
+                c.index,
+                c.text,
+                c.token_ids,
+                c.finish_reason or "length",
+                c.logprobs if job.logprobs else None,
+            )
+            for c in choices
+        ]
+        build = protocol.chat_response if job.chat else protocol.completion_response
+        body = build(job.meta, done, prompt_tokens=job.prompt_tokens, tokenizer=self.tokenizer)
+        return JSONResponse(body)
+
+    async def _stream(self, job: _Job, ticket: Ticket) -> AsyncIterator[bytes]:
+        choices = [_Choice(i) for i in range(len(job.prompts))]
+        try:
+            if job.chat:
+                for index in range(len(choices)):
+                    yield protocol.sse(protocol.chat_chunk(job.meta, index, role=True))
+            async for index, delta in self._run(job):
+                choice = choices[index]
+                for chunk in self._chunks(job, choice, delta):
+                    yield protocol.sse(chunk)
+                _absorb(choice, delta)
+            if job.include_usage:
+                completion_tokens = sum(len(c.token_ids) for c in choices)
+                kind: Literal["text_completion", "chat.completion.chunk"] = (
+                    "chat.completion.chunk" if job.chat else "text_completion"
+                )
+                yield protocol.sse(
+                    protocol.usage_chunk(
+                        job.meta,
+                        kind,
+                        prompt_tokens=job.prompt_tokens,
+                        completion_tokens=completion_tokens,
+                    )
+                )
+        except APIError as exc:  # headers are sent: the error travels as an SSE event
+            yield protocol.sse(exc.body())
+        finally:
+            ticket.release()
+        yield protocol.SSE_DONE
+
+    def _chunks(self, job: _Job, choice: _Choice, delta: ClientDelta) -> list[dict[str, Any]]:
+        """The SSE objects for one delta of one choice (before it is absorbed)."""
+        finish = delta.finish_reason if delta.finished else None
+        if job.chat:
+            logprobs = None
+            if job.logprobs and delta.logprobs:
+                logprobs = protocol.chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs)
+            out = []
+            if delta.text or logprobs is not None:
+                out.append(
+                    protocol.chat_chunk(
+                        job.meta, choice.index, content=delta.text, logprobs=logprobs
+                    )
+                )
+            if finish is not None:
+                out.append(protocol.chat_chunk(job.meta, choice.index, finish_reason=finish))
+            return out
+        lp = None
+        if job.logprobs and delta.logprobs:
+            lp = protocol.completion_logprobs(
+                self.tokenizer, delta.token_ids, delta.logprobs, text_offset=len(choice.text)
+            )
+        if not delta.text and lp is None and finish is None:
+            return []
+        return [
+            protocol.completion_chunk(
+                job.meta, choice.index, delta.text, finish_reason=finish, logprobs=lp
+            )
+        ]
+
+    async def _run(self, job: _Job) -> AsyncIterator[tuple[int, ClientDelta]]:
+        """Run every choice concurrently; yield (choice index, delta) as they come. Raises
+        APIError when a choice fails for good; cancelling this generator cancels them all."""
+        ready: asyncio.Queue[tuple[int, ClientDelta | BaseException | None]] = asyncio.Queue(
+            STREAM_BUFFER
+        )
+
+        async def run_choice(index: int) -> None:
+            spec = RequestSpec(
+                request_id=f"{job.meta.id}-{index}",
+                prompt_token_ids=job.prompts[index],
+                params=job.params[index],
+                cache_salt=job.tenant,
+                deadline=job.deadline,
+                arrival_time=job.arrival,
+            )
+            timing = _Timing(self.metrics, job, index)
+            try:
+                async for delta in self.coordinator.generate(spec):
+                    timing.emitted(delta)
+                    await ready.put((index, delta))
+                timing.done(self.coordinator)
+                await ready.put((index, None))
+            except Exception as exc:
+                timing.done(self.coordinator)
+                await ready.put((index, exc))
+
+        tasks = [asyncio.ensure_future(run_choice(i)) for i in range(len(job.prompts))]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await ready.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    raise _api_error(item) from item
+                elif item.finish_reason == "timeout":  # the deadline passed mid-request
+                    raise APIError(
+                        504,
+                        f"request timed out after {_timeout_s(job):.1f} s",
+                        type="timeout_error",
+                        code="timeout",
+                    )
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Timing:
+    """Emit times of one choice, turned into its RequestTiming and record once it ends."""
+
+    def __init__(self, metrics: Metrics, job: _Job, index: int) -> None:
+        self.metrics = metrics
+        self.job = job
+        self.index = index
+        self.emit_times: list[float] = []
+
+    def emitted(self, delta: ClientDelta) -> None:
+        now = time.time()
+        self.emit_times.extend(now for _ in delta.token_ids)
+
+    def done(self, coordinator: Coordinator) -> None:
+        rid = f"{self.job.meta.id}-{self.index}"
+        record = next((r for r in reversed(coordinator.records) if r.request_id == rid), None)
+        if record is None:
+            return
+        timing = RequestTiming(
+            request_id=rid,
+            tenant=self.job.tenant,
+            status=record.status,
+            finish_reason=record.finish_reason,
+            arrival=self.job.arrival,
+            emit_times=self.emit_times,
+            finished=record.finished,
+            num_prompt_tokens=record.num_prompt_tokens,
+            queue_time_s=None,
+        )
+        self.metrics.observe_request(timing)
+        log_record(timing)
+
+
+def _absorb(choice: _Choice, delta: ClientDelta) -> None:
+    choice.token_ids.extend(delta.token_ids)
+    choice.text += delta.text
+    if delta.logprobs:
+        choice.logprobs.extend(delta.logprobs)
+    if delta.finished:
+        choice.finish_reason = delta.finish_reason
+
+
+def _timeout_s(job: _Job) -> float:
+    return job.deadline - job.arrival
+
+
+def _api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, RetriesExhausted):
+        if exc.why == "deadline passed":
+            return APIError(504, f"request timed out: {exc}", type="timeout_error", code="timeout")
+        return APIError(503, f"request failed: {exc}", type="service_unavailable", code="failed")
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), code="invalid_request")
+    logger.exception("request failed", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}", type="internal_error")
+
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

@@ -1,0 +1,77 @@
+"""``tandem serve``: start (or join) Ray, deploy the Serve application, serve until Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+HTTP_READY_TIMEOUT_S = 600.0
+
+
+def deploy(topology: Path, model: Path | None, host: str, port: int, address: str | None) -> str:
+    """Deploy the application on a running or new Ray cluster; returns the base URL."""
+    import ray
+    from ray import serve
+
+    from api.deployment import app_builder
+    from cluster.launch import NAMESPACE, init_local_ray
+
+    if address:
+        ray.init(address=address, namespace=NAMESPACE)
+    else:
+        init_local_ray()
+    serve.start(http_options={"host": host, "port": port})
+    args = {"topology": str(topology), "model": str(model) if model else None}
+    serve.run(app_builder(args), name="tandem", route_prefix="/", blocking=False)
+    return f"http://{host}:{port}"
+
+
+def wait_until_ready(url: str, timeout_s: float = HTTP_READY_TIMEOUT_S) -> None:
+    """Until ``/health`` answers 200 (the cluster's workers have loaded and reported)."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.time() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.time() > deadline:
+            raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def serve_forever(
+    topology: Path, model: Path | None, host: str, port: int, address: str | None
+) -> int:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback (RAY_NOTES)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    from ray import serve
+
+    from cluster.topology import load_topology
+
+    started = time.time()
+    name = load_topology(topology).model.name  # fails fast on a bad file, before Ray starts
+    print(f"tandem: starting {topology} (model: {model or 'from the topology'})", file=sys.stderr)
+    url = deploy(topology, model, host, port, address)
+    wait_until_ready(url)
+    print(f"tandem: serving the OpenAI API at {url}/v1 ({time.time() - started:.1f} s)")
+    body = f'{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 16}}'
+    print(f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+    print("  Ctrl-C stops it.", flush=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop.wait()
+    print("tandem: shutting down", file=sys.stderr)
+    serve.shutdown()
+    ray.shutdown()
+    return 0
