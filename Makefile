@@ -1,8 +1,7 @@
-# Tandem quick start:   make run    (generate with the built-in demo model)
+# Tandem quick start:   make run    (serve the OpenAI API with the built-in demo model)
 #                       make test   (the whole test suite, with lint and type checks)
 VENV := .venv
 STAMP := $(VENV)/.installed
-PROMPT ?= The quick brown fox
 
 .PHONY: setup run test lint pytest bench clean
 
@@ -12,7 +11,7 @@ $(STAMP): pyproject.toml scripts/setup.sh
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/tandem generate --prompt "$(PROMPT)" --max-tokens 32
+	$(VENV)/bin/tandem serve
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

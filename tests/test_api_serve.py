@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -367,3 +368,22 @@ def test_health_models_and_metrics(server: str, client: openai.OpenAI) -> None:
         "tandem_rejections_total",
     ):
         assert name in text
+
+
+def test_tenants_never_share_cached_prefixes(server: str) -> None:
+    """P10: the API key's tenant salts the prefix cache; the same prompt from another tenant
+    gets no cache hit, the same tenant's repeat does."""
+    router = ray.get_actor("tandem-router", namespace="tandem")
+    prompt = list(range(100, 100 + 96))  # six full blocks of 16
+
+    def prefill_hits(key: str) -> int:
+        r = post(server, {"model": MODEL, "prompt": prompt, "max_tokens": 1}, key=key)
+        assert r.status_code == 200, r.text
+        last = ray.get(router.decisions.remote())[-1]
+        return max(c["hit_blocks"] for c in last["candidates"] if c["role"] == "prefill")
+
+    assert prefill_hits("key-alice") == 0
+    time.sleep(0.5)  # the prefill worker's KV events reach the router
+    assert prefill_hits("key-carol") == 0  # same tokens, other tenant: nothing shared
+    time.sleep(0.5)
+    assert prefill_hits("key-alice") == 6  # all six blocks, in the index of its own salt

@@ -80,3 +80,45 @@ def test_missing_and_unsupported_checkpoints(tmp_path: Path, test_llama: Path) -
     (bad / "config.json").write_text(json.dumps(cfg))
     r = run("generate", "--model", str(bad), "--prompt", "hi")
     assert r.returncode == 2 and "GPT2LMHeadModel" in r.stderr and "LlamaForCausalLM" in r.stderr
+
+
+@pytest.mark.e2e
+def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
+    """The quick start's command: ``tandem serve`` starts its own loopback Ray cluster and the
+    Serve app, prints the URL, answers the OpenAI API, and exits 0 on SIGINT."""
+    import os
+    import shutil
+    import signal
+    import socket
+    import tempfile
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp = tempfile.mkdtemp(prefix="tandem-ray-")  # short: Ray's socket paths must fit 107 bytes
+    env = {**os.environ, "RAY_TMPDIR": tmp}
+    tandem = str(Path(sys.executable).with_name("tandem"))
+    cmd = [tandem, "serve", "--model", str(test_llama), "--port", str(port)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
+    )
+    try:
+        assert proc.stdout is not None
+        first = proc.stdout.readline()  # printed once /health answers
+        assert f"http://127.0.0.1:{port}/v1" in first, first
+        body = json.dumps({"model": "demo-tiny-llama", "prompt": "Hi", "max_tokens": 4}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            answer = json.loads(reply.read())
+        assert answer["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
