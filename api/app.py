@@ -40,6 +40,7 @@ from cluster.coordinator import ClientDelta, Coordinator
 from cluster.launch import Cluster
 from cluster.messages import RequestSpec
 from cluster.retry import RetriesExhausted
+from cluster.roles import Role
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -93,6 +94,7 @@ class Service:
         gate: IngressGate,
         metrics: Metrics,
         request_timeout_s: float,
+        decode_workers: dict[str, Any] | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.router = router
@@ -103,6 +105,8 @@ class Service:
         self.gate = gate
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
+        self.decode_workers = decode_workers or {}
+        self._transfer_seen: dict[str, int] = {}  # worker -> last transfer record observed
 
     @classmethod
     def for_cluster(cls, cluster: Cluster, model_dir: Path) -> Service:
@@ -118,6 +122,11 @@ class Service:
             gate=IngressGate(spec.serve.gate),
             metrics=Metrics(),
             request_timeout_s=spec.retry.deadline_s,
+            decode_workers={
+                name: handle
+                for name, handle in cluster.workers.items()
+                if cluster.infos[name].role is Role.DECODE
+            },
         )
 
     # -- routes --------------------------------------------------------------------------------
@@ -146,12 +155,25 @@ class Service:
             raise RuntimeError(f"no healthy serving replica (healthy roles: {sorted(healthy)})")
 
     async def metrics_response(self) -> Response:
+        await self._collect_transfers()
         for s in await self.router.worker_states.remote():
             self.metrics.set_worker(
                 s.name, s.kv_usage, s.queue_depth, s.num_running, s.prefix_hit_ratio
             )
         text, content_type = self.metrics.render()
         return Response(text, media_type=content_type)
+
+    async def _collect_transfers(self) -> None:
+        """Observe the KV pulls the decode workers finished since the last scrape."""
+        for name, worker in self.decode_workers.items():
+            try:
+                records = await worker.transfer_records.remote(self._transfer_seen.get(name, 0))
+            except Exception:  # a worker restarting: its records come with the next scrape
+                continue
+            for r in records:
+                self.metrics.observe_transfer(r.finished - r.started, r.num_bytes)
+            if records:
+                self._transfer_seen[name] = records[-1].seq
 
     # -- one request ---------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
@@ -32,9 +33,12 @@ from kv_transfer.errors import KVPeerUnavailable, KVTransferError
 from kv_transfer.exporter import ReleaseReason
 from kv_transfer.format import KVLayout, LayerChunk, TransferKey, write_layer
 
+TRANSFER_RECORDS_KEPT = 10_000
+
 
 @dataclass(frozen=True)
 class TransferRecord:
+    seq: int  # 1, 2, ... per worker incarnation: ``transfer_records(after=seq)`` resumes here
     attempt_id: str
     transport: str
     num_bytes: int
@@ -50,7 +54,9 @@ class DecodeWorker(EngineWorker):
         self.layout = KVLayout.from_cache(self.engine.engine.runner.kv_cache)
         self._transports: dict[str, KVTransport] = {}
         self._handoffs: dict[str, asyncio.Future[TokenBatch]] = {}
-        self.transfers: list[TransferRecord] = []
+        # The latest pulls (bounded: a long-running worker keeps only these).
+        self.transfers: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS_KEPT)
+        self._transfer_seq = 0
 
     def _transport(self, kind: str) -> KVTransport:
         if kind not in self._transports:
@@ -125,8 +131,10 @@ class DecodeWorker(EngineWorker):
             raise KVPullFailed(f"pull from {source.worker}: {exc}", source.worker, dead) from exc
         done = time.time()
         await asyncio.to_thread(transport.release, source.address, key, ReleaseReason.ACKED)
+        self._transfer_seq += 1
         self.transfers.append(
             TransferRecord(
+                seq=self._transfer_seq,
                 attempt_id=key.attempt_id,
                 transport=source.transport,
                 num_bytes=header.layer_nbytes * self.layout.num_layers,
@@ -135,6 +143,6 @@ class DecodeWorker(EngineWorker):
             )
         )
 
-    async def transfer_records(self) -> list[TransferRecord]:
-        """Every completed pull (benchmarks, metrics)."""
-        return list(self.transfers)
+    async def transfer_records(self, after: int = 0) -> list[TransferRecord]:
+        """The completed pulls kept, those with ``seq > after`` (benchmarks, metrics)."""
+        return [r for r in self.transfers if r.seq > after]
