@@ -395,7 +395,10 @@ class Service:
                 if item is None:
                     running -= 1
                 elif isinstance(item, BaseException):
-                    raise _api_error(item) from item
+                    error = _api_error(item)
+                    if error.code == "kv_capacity":
+                        self.metrics.observe_rejection("kv_capacity")
+                    raise error from item
                 elif item.finish_reason == "timeout":  # the deadline passed mid-request
                     raise APIError(
                         504,
@@ -460,8 +463,10 @@ def _timeout_s(job: _Job) -> float:
 def _api_error(exc: BaseException) -> APIError:
     if isinstance(exc, RetriesExhausted):
         if exc.why == "deadline passed":
-            return APIError(504, f"request timed out: {exc}", type="timeout_error", code="timeout")
-        return APIError(503, f"request failed: {exc}", type="service_unavailable", code="failed")
+            return APIError(504, f"request timed out: {exc}", code="timeout")
+        if exc.rejected:  # phase 2: no replica had KV room for it
+            return APIError(503, f"no capacity for the request: {exc}", code="kv_capacity")
+        return APIError(503, f"request failed: {exc}", code="failed")
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), code="invalid_request")
     logger.exception("request failed", exc_info=exc)

@@ -32,6 +32,7 @@ from ray.exceptions import RayActorError
 from cluster.messages import Attempt, KVPullFailed, KVSource, RequestSpec, TokenBatch, WorkerInfo
 from cluster.retry import Exclusions, RetriesExhausted, RetryBudget, RetryPolicy
 from engine.detokenizer import TextStream
+from engine.engine import RequestRejected
 from engine.kv_cache_manager import prefix_hashes
 from engine.sampler import SamplingSnapshot, TokenLogprobs
 from engine.tokenizer import Tokenizer
@@ -48,10 +49,13 @@ _STREAMING = frozenset({"generate", "decode"})
 class AttemptFailed(RuntimeError):
     """One attempt could not go on; ``worker`` (if known) is the one to blame."""
 
-    def __init__(self, message: str, worker: str | None = None, dead: bool = False) -> None:
+    def __init__(
+        self, message: str, worker: str | None = None, dead: bool = False, rejected: bool = False
+    ) -> None:
         super().__init__(message)
         self.worker = worker
         self.dead = dead  # the worker itself is gone (tell the router)
+        self.rejected = rejected  # its engine's admission refused the request (no KV room)
 
 
 @dataclass
@@ -185,7 +189,9 @@ class Coordinator:
                         error = str(exc)
                         if why == "deadline passed":
                             status = "timed_out"
-                        raise RetriesExhausted(spec.request_id, why, attempts, str(exc)) from exc
+                        raise RetriesExhausted(
+                            spec.request_id, why, attempts, str(exc), rejected=exc.rejected
+                        ) from exc
                     await asyncio.sleep(self.budget.policy.backoff_s)
         except (asyncio.CancelledError, GeneratorExit):
             status, error = "cancelled", None
@@ -295,7 +301,8 @@ class Coordinator:
             cause = getattr(exc, "cause", exc)  # a RayTaskError wraps the worker's exception
             if isinstance(cause, KVPullFailed):  # the KV's source is to blame, not the puller
                 raise AttemptFailed(str(cause), cause.worker, dead=cause.dead) from exc
-            raise AttemptFailed(f"{worker}: {cause}", worker) from exc
+            rejected = isinstance(cause, RequestRejected)
+            raise AttemptFailed(f"{worker}: {cause}", worker, rejected=rejected) from exc
 
     async def _unless_failed(self, awaitable: Any, worker: str) -> Any:
         """Await a worker's answer, unless the router marks the worker FAILED first (a hung

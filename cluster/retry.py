@@ -11,18 +11,25 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RetriesExhausted(RuntimeError):
     """A request failed and may not be retried (attempts, budget or deadline spent, or retries
     off). ``attempts`` tells how many ran; ``cause`` what the last one died of."""
 
-    def __init__(self, request_id: str, why: str, attempts: int, cause: str) -> None:
+    def __init__(
+        self, request_id: str, why: str, attempts: int, cause: str, rejected: bool = False
+    ) -> None:
         super().__init__(f"request {request_id}: {why} after {attempts} attempt(s): {cause}")
         self.request_id = request_id
         self.why = why
         self.attempts = attempts
         self.cause = cause
+        self.rejected = rejected  # the last attempt was refused by an engine's admission
+
+    def __reduce__(self) -> tuple[Any, ...]:  # keeps its fields across Ray and pickling
+        return (type(self), (self.request_id, self.why, self.attempts, self.cause, self.rejected))
 
 
 @dataclass(frozen=True)

@@ -306,22 +306,6 @@ def test_router_view_recovers_after_worker_and_router_restarts(cluster: Cluster)
     run(body())
 
 
-def test_losing_a_failure_domain_keeps_serving(cluster: Cluster, colocated: LLMEngine) -> None:
-    """Last: it kills domain a's workers for good."""
-    tokens = prompt(30, 2)
-
-    async def body() -> None:
-        for name in ("prefill-0", "decode-0"):  # domain a
-            ray.kill(cluster.workers[name], no_restart=True)
-        for _ in range(3):
-            assert await collect(cluster, tokens, GREEDY) == expected(colocated, tokens, GREEDY)
-        live = {n: w for n, w in cluster.workers.items() if n.endswith("-1")}
-        for worker in live.values():
-            await worker.check_idle.remote()
-
-    run(body())
-
-
 def test_a_slow_consumer_backpressures_the_decode_engine(
     cluster: Cluster, colocated: LLMEngine
 ) -> None:
@@ -351,5 +335,21 @@ def test_a_slow_consumer_backpressures_the_decode_engine(
             got += delta.token_ids
         assert got == expected(colocated, tokens, params)
         await assert_clean(cluster)
+
+    run(body())
+
+
+def test_losing_a_failure_domain_keeps_serving(cluster: Cluster, colocated: LLMEngine) -> None:
+    """Last: it kills domain a's workers for good."""
+    tokens = prompt(30, 2)
+
+    async def body() -> None:
+        for name in ("prefill-0", "decode-0"):  # domain a
+            ray.kill(cluster.workers[name], no_restart=True)
+        for _ in range(3):
+            assert await collect(cluster, tokens, GREEDY) == expected(colocated, tokens, GREEDY)
+        live = {n: w for n, w in cluster.workers.items() if n.endswith("-1")}
+        for worker in live.values():
+            await worker.check_idle.remote()
 
     run(body())
