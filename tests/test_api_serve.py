@@ -31,7 +31,7 @@ from engine.tokenizer import Tokenizer
 pytestmark = pytest.mark.e2e
 MODEL = "test-llama"
 ENGINE = {"kv_cache_bytes": 4 * 2**20, "max_num_seqs": 16, "max_num_batched_tokens": 256}
-KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol"}
+KEYS = {"key-alice": "alice", "key-bob": "bob", "key-carol": "carol", "key-dave": "dave"}
 TOPOLOGY = """
 model: {{path: {path}, name: test-llama}}
 domains: [a, b]
@@ -49,6 +49,7 @@ serve:
     api_keys: {keys}
     quotas:
       bob: {{requests_per_s: 0.001, burst: 2, max_concurrent: 8}}
+      dave: {{requests_per_s: 1000, burst: 1000, max_concurrent: 1}}
 """
 
 
@@ -314,6 +315,17 @@ def test_bad_input_is_a_4xx_never_a_crash(server: str, body: dict[str, Any]) -> 
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert r.json()["error"]["message"]
+
+
+def test_rejected_requests_change_nothing(server: str) -> None:
+    """P11: a 4xx takes nothing with it: dave may have one request in flight, and after a run
+    of bad requests his next good one is still admitted; the workers are idle."""
+    ok = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    bad = [b"{", {**ok, "temperature": -1}, {**ok, "model": "nope"}, {**ok, "n": 0}, {**ok, "x": 1}]
+    for body in bad * 3:
+        assert 400 <= post(server, body, key="key-dave").status_code < 500
+    assert post(server, ok, key="key-dave").status_code == 200
+    workers_idle()
 
 
 # -- cancellation, deadlines, backpressure, metrics ---------------------------------------------------
