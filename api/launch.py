@@ -30,8 +30,11 @@ def deploy(topology: Path, model: Path | None, host: str, port: int, address: st
     return f"http://{host}:{port}"
 
 
-def wait_until_ready(url: str, timeout_s: float = HTTP_READY_TIMEOUT_S) -> None:
-    """Until ``/health`` answers 200 (the cluster's workers have loaded and reported)."""
+def wait_until_ready(
+    url: str, timeout_s: float = HTTP_READY_TIMEOUT_S, stop: threading.Event | None = None
+) -> bool:
+    """Until ``/health`` answers 200 (the cluster's workers have loaded and reported): True;
+    False if ``stop`` was set first."""
     import urllib.error
     import urllib.request
 
@@ -40,12 +43,13 @@ def wait_until_ready(url: str, timeout_s: float = HTTP_READY_TIMEOUT_S) -> None:
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
                 if reply.status == 200:
-                    return
+                    return True
         except (urllib.error.URLError, OSError):
             pass
         if time.time() > deadline:
             raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
-        time.sleep(0.5)
+        if (stop or threading.Event()).wait(0.5):  # a poll interval, cut short by ``stop``
+            return False
 
 
 def serve_forever(
@@ -60,18 +64,21 @@ def serve_forever(
 
     started = time.time()
     name = load_topology(topology).model.name  # fails fast on a bad file, before Ray starts
-    print(f"tandem: starting {topology} (model: {model or 'from the topology'})", file=sys.stderr)
-    url = deploy(topology, model, host, port, address)
-    wait_until_ready(url)
-    print(f"tandem: serving the OpenAI API at {url}/v1 ({time.time() - started:.1f} s)")
-    body = f'{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 16}}'
-    print(f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
-    print("  Ctrl-C stops it.", flush=True)
+    # From here on Ctrl-C (or SIGTERM) means: finish starting what was started, then shut down.
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    stop.wait()
-    print("tandem: shutting down", file=sys.stderr)
-    serve.shutdown()
-    ray.shutdown()
+    print(f"tandem: starting {topology} (model: {model or 'from the topology'})", file=sys.stderr)
+    try:
+        url = deploy(topology, model, host, port, address)
+        if wait_until_ready(url, stop=stop):
+            print(f"tandem: serving the OpenAI API at {url}/v1 ({time.time() - started:.1f} s)")
+            body = f'{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 16}}'
+            print(f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+            print("  Ctrl-C stops it.", flush=True)
+            stop.wait()
+    finally:
+        print("tandem: shutting down", file=sys.stderr)
+        serve.shutdown()
+        ray.shutdown()
     return 0

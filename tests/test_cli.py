@@ -122,3 +122,32 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
         if proc.poll() is None:
             proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.e2e
+def test_serve_stopped_while_starting_shuts_down_cleanly(test_llama: Path) -> None:
+    """Ctrl-C during start-up (workers still loading) finishes starting, then shuts down: exit
+    0, no Ray left behind."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="tandem-ray-")
+    env = {**os.environ, "RAY_TMPDIR": tmp}
+    tandem = str(Path(sys.executable).with_name("tandem"))
+    cmd = [tandem, "serve", "--model", str(test_llama), "--port", "0"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True)
+    try:
+        assert proc.stderr is not None
+        while "tandem: starting" not in proc.stderr.readline():
+            pass
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+        assert proc.stdout is not None and "serving" not in proc.stdout.read()
+        left = subprocess.run(["pgrep", "-f", tmp], capture_output=True, text=True).stdout
+        assert left == ""  # no raylet / GCS of that session survives
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
