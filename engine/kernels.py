@@ -2,14 +2,21 @@
 
 The build lands in torch's extensions dir (``TORCH_EXTENSIONS_DIR``, default
 ``~/.cache/torch_extensions``) keyed by a hash of the source and flags, so only the first process
-on a machine pays the compile. Where no compiler (or no OpenMP) exists, :func:`load` returns None,
-logs why once, and callers keep the pure-PyTorch path.
+on a machine pays the compile (~40 s each; ``make setup`` builds them, see :func:`build_all`).
+Where no compiler (or no OpenMP) exists, or ``TANDEM_NATIVE_KERNELS=0``, :func:`load` returns
+None, logs why once, and callers keep the pure-PyTorch path.
+
+* ``paged_decode_attention`` -- decode attention read in place through the block tables
+  (opt-in: ``attention_backend="cpu_kernel"``).
+* ``skinny_linear`` -- bf16-weight GEMM of a few rows at memory bandwidth, for CPUs without
+  native bf16 GEMM (used by ``engine.model.Linear`` whenever it builds).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import os
 from pathlib import Path
 from types import ModuleType
 
@@ -19,28 +26,43 @@ Tensor = torch.Tensor
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode_attention.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
 # ISO C++ mode turns FMA contraction off (the plain-loop fallback wants it); math-errno off keeps
 # the fallback's std::exp free of errno stores.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
+KERNELS = ("paged_decode_attention", "skinny_linear")  # each: csrc/<name>.cpp exporting <name>
+# Most rows skinny_linear takes (its kMaxRows); past it the GEMM is compute-bound.
+SKINNY_MAX_ROWS = 16
+DISABLE_ENV = "TANDEM_NATIVE_KERNELS"
 
 
 @functools.cache
-def load() -> ModuleType | None:
-    """The compiled extension, or None when it cannot be built here (reason logged once)."""
+def load(name: str) -> ModuleType | None:
+    """The compiled extension ``name`` (one of :data:`KERNELS`), or None when it cannot be built
+    here or native kernels are switched off (reason logged once)."""
+    if name not in KERNELS:
+        raise ValueError(f"unknown kernel {name!r}; known: {', '.join(KERNELS)}")
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        log.info("native CPU kernels switched off (%s=0): %s uses PyTorch", DISABLE_ENV, name)
+        return None
     try:
         from torch.utils.cpp_extension import load_inline
 
         return load_inline(
-            name="tandem_paged_decode_attention",
-            cpp_sources=[_SOURCE.read_text()],
-            functions=["paged_decode_attention"],
+            name=f"tandem_{name}",
+            cpp_sources=[(_CSRC / f"{name}.cpp").read_text()],
+            functions=[name],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
         )
-    except Exception as exc:  # no compiler, no OpenMP, no headers: all mean "use SDPA"
-        log.warning("CPU decode-attention kernel unavailable, using SDPA: %s", exc)
+    except Exception as exc:  # no compiler, no OpenMP, no headers: all mean "use PyTorch"
+        log.warning("CPU kernel %s unavailable, using PyTorch: %s", name, exc)
         return None
+
+
+def build_all() -> dict[str, bool]:
+    """Compile every kernel now (setup runs this, so no serving process pays the compile)."""
+    return {name: load(name) is not None for name in KERNELS}
 
 
 def paged_decode_attention(
@@ -59,8 +81,24 @@ def paged_decode_attention(
     positions ``[starts[b], ends[b])`` (position ``p`` is slot ``p % block_size`` of block
     ``tables[b, p // block_size]``). Block ids are trusted: the runner validates them.
     """
-    ext = load()
+    ext = load("paged_decode_attention")
     if ext is None:
         raise RuntimeError("the paged decode-attention extension is not available")
     out: Tensor = ext.paged_decode_attention(q, k_cache, v_cache, tables, starts, ends, scale)
     return out
+
+
+def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``x W^T + b`` for bf16 ``x`` ``[M, K]`` (1 <= M <= :data:`SKINNY_MAX_ROWS`) and bf16
+    ``weight`` ``[N, K]`` (K a multiple of 16): fp32 accumulation, one rounding to bf16."""
+    ext = load("skinny_linear")
+    if ext is None:
+        raise RuntimeError("the skinny-linear extension is not available")
+    out: Tensor = ext.skinny_linear(x, weight, bias)
+    return out
+
+
+if __name__ == "__main__":  # python -m engine.kernels: build them (setup does)
+    logging.basicConfig(level=logging.INFO)
+    for kernel, ok in build_all().items():
+        print(f"kernel {kernel}: {'built' if ok else 'unavailable (PyTorch path)'}")

@@ -59,7 +59,7 @@ class ModelRunner:
         self.decode_kernel = (
             config.attention_backend == "cpu_kernel"
             and device.type == "cpu"
-            and kernels.load() is not None
+            and kernels.load("paged_decode_attention") is not None
         )
 
     def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:

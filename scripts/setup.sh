@@ -23,5 +23,8 @@ else
   "${PIP[@]}" "torch==2.13.0"
 fi
 "${PIP[@]}" -e ".[dev]"
+# Compile the native CPU kernels now (~1 min once; cached in torch's extensions dir), so no
+# serving process pays it. Without a compiler this only logs that the PyTorch path is used.
+.venv/bin/python -m engine.kernels
 touch .venv/.installed
 echo "setup: done (.venv/bin/tandem)"

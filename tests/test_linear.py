@@ -6,7 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model import _MKLDNN_BF16, WIDEN_MIN_ROWS, Linear, LinearMode, default_linear_mode
+from engine import kernels
+from engine.model import (
+    _MKLDNN_BF16,
+    SKINNY_ROWS,
+    WIDEN_MIN_ROWS,
+    Linear,
+    LinearMode,
+    default_linear_mode,
+)
+
+HAVE_SKINNY = kernels.load("skinny_linear") is not None
 
 
 def test_default_mode_avoids_emulated_bf16_gemm() -> None:
@@ -19,7 +29,7 @@ MODES: list[LinearMode] = ["widen", "plain"] + (["packed"] if _MKLDNN_BF16 else 
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 12, 13, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bf16_paths_match_fp64_reference(mode: LinearMode, rows: int, with_bias: bool) -> None:
     g = torch.Generator().manual_seed(rows)
@@ -37,14 +47,72 @@ def test_bf16_paths_match_fp64_reference(mode: LinearMode, rows: int, with_bias:
 
 
 def test_widen_reads_fp32_for_batches_and_bf16_for_few_rows() -> None:
-    w, b = torch.ones(4, 4, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16)
+    w, b = torch.ones(4, 16, dtype=torch.bfloat16), torch.ones(4, dtype=torch.bfloat16)
     lin = Linear(w, b, "widen")
     assert lin.wide is not None and lin.wide.dtype == torch.float32
     assert lin.wide_bias is not None and lin.wide_bias.dtype == torch.float32
+    assert lin.skinny == HAVE_SKINNY
+    few = SKINNY_ROWS if HAVE_SKINNY else WIDEN_MIN_ROWS
+    assert lin.few_rows == few
     # Which copy a call reads: poison the bf16 one.
     w.fill_(float("nan"))
-    assert lin(torch.ones(WIDEN_MIN_ROWS, 4, dtype=torch.bfloat16)).isnan().all()
+    assert lin(torch.ones(few, 16, dtype=torch.bfloat16)).isnan().all()
     assert torch.equal(
-        lin(torch.ones(WIDEN_MIN_ROWS + 1, 4, dtype=torch.bfloat16)),
-        torch.full((WIDEN_MIN_ROWS + 1, 4), 5.0, dtype=torch.bfloat16),
+        lin(torch.ones(few + 1, 16, dtype=torch.bfloat16)),
+        torch.full((few + 1, 4), 17.0, dtype=torch.bfloat16),
     )
+
+
+@pytest.mark.skipif(not HAVE_SKINNY, reason="the C++ extension cannot be built here")
+def test_few_rows_take_the_native_kernel_when_it_builds() -> None:
+    w = torch.randn(8, 32).to(torch.bfloat16)
+    assert Linear(w, None, "widen").skinny
+    assert not Linear(w[:, :24].contiguous(), None, "widen").skinny  # K not a multiple of 16
+    assert not Linear(w, None, "plain").skinny
+
+
+@pytest.mark.skipif(not HAVE_SKINNY, reason="the C++ extension cannot be built here")
+@pytest.mark.parametrize("rows", [1, 2, 4, 5, 7, 8, 9, 16])
+def test_skinny_kernel_is_fp32_accumulation_rounded_once(rows: int) -> None:
+    """Exactly the fp32 product rounded to bf16 except where summation order tips a rounding:
+    then one bf16 ulp at most. Also a strided x and every row group (1-4 rows at a time)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 256, generator=g).to(torch.bfloat16)
+    b = torch.randn(300, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 512, generator=g).to(torch.bfloat16)[:, ::2]
+    y = kernels.skinny_linear(x.contiguous(), w, b)
+    ref = (x.double() @ w.double().T + b.double()).float()
+    exact = ref.to(torch.bfloat16)
+    off = y != exact
+    assert off.float().mean() < 0.01
+    ulp = exact.float().abs() * 2**-7
+    assert ((y.float() - ref).abs() <= ulp + 1e-6).all()
+
+
+@pytest.mark.skipif(not HAVE_SKINNY, reason="the C++ extension cannot be built here")
+def test_skinny_kernel_rejects_bad_shapes_by_name() -> None:
+    w = torch.zeros(4, 32, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="rows"):
+        kernels.skinny_linear(
+            torch.zeros(kernels.SKINNY_MAX_ROWS + 1, 32, dtype=torch.bfloat16), w, None
+        )
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        kernels.skinny_linear(
+            torch.zeros(1, 24, dtype=torch.bfloat16), w[:, :24].contiguous(), None
+        )
+    with pytest.raises(RuntimeError, match="columns"):
+        kernels.skinny_linear(torch.zeros(1, 16, dtype=torch.bfloat16), w, None)
+    with pytest.raises(RuntimeError, match="bf16"):
+        kernels.skinny_linear(torch.zeros(1, 32), w, None)
+
+
+def test_native_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.DISABLE_ENV, "0")
+    kernels.load.cache_clear()
+    try:
+        assert kernels.load("skinny_linear") is None
+        assert not Linear(torch.zeros(4, 16, dtype=torch.bfloat16), None, "widen").skinny
+        with pytest.raises(ValueError, match="unknown kernel"):
+            kernels.load("nope")
+    finally:
+        kernels.load.cache_clear()
