@@ -10,8 +10,11 @@ Ray (a short ``RAY_TMPDIR``: Ray's socket paths must fit 107 bytes); spawn to th
 was left behind.
 
 Steady state: ``api.launch.deploy`` in this process (``local.yaml`` with the demo checkpoint of
-``--size``). Per rate, two passes over one open-loop Poisson schedule and one set of fresh
-prompts, HTTP first, then direct, so both see the same machine state:
+``--size``). Per rate, two rounds, each two passes over one open-loop Poisson schedule and one
+set of fresh prompts: HTTP then direct, then (new prompts) direct then HTTP. A shared machine
+drifts (measured here: the same request's TTFT fell ~30% over the first minute of a
+deployment), so a fixed order would charge the drift to whichever path runs first; the ABBA
+order cancels a linear drift, and the two rounds' samples are pooled per path:
 
 * http: streaming ``POST /v1/completions`` (token-id prompt) over aiohttp, SSE parsed here;
 * direct: ``Coordinator.generate`` in this process over the same router and workers.
@@ -74,7 +77,8 @@ LEFTOVER_GRACE_S = 10.0  # Ray's own processes may outlive the driver by a momen
 POLL_INTERVAL_S = 0.25
 START_DELAY_S = 0.2  # the first scheduled send of a pass, after the tasks are created
 FELL_BEHIND_S = 0.010  # a send this late (vs its schedule) means the client could not keep up
-WARMUP_REQUESTS = 4  # per path, before the first pass: every worker has run a request
+WARMUP_REQUESTS = 4  # per path and warm-up round: every worker has run a request
+WARMUP_ROUNDS = 3
 TOKEN_RANGE = (16, 8000)  # prompt token ids: clear of the demo vocabulary's special tokens
 DIRECT_SALT = "serve-bench-direct"  # the HTTP pass runs as tenant "default"
 OVERHEAD_TARGET = 0.10  # the issue: HTTP adds under 10% to TTFT and ITL at the lowest rate
@@ -312,13 +316,15 @@ class Paths:
         )
 
 
-def summary(path: str, rate: float, samples: list[Sample]) -> dict[str, Any]:
+def summary(path: str, rate: float, rounds: list[list[Sample]]) -> dict[str, Any]:
+    """One path's figures at one rate, pooled over its passes (throughput: over their walls)."""
+    samples = [s for r in rounds for s in r]
     times = [RequestTimes(arrival=s.scheduled, emits=s.stamps) for s in samples]
     ttfts = [x for t in times if (x := metrics.ttft(t)) is not None]
     itls = [x for t in times for x in metrics.itls(t)]
     tpots = [x for t in times if (x := metrics.tpot(t)) is not None]
     delays = [s.sent - s.scheduled for s in samples]
-    wall = max(s.stamps[-1] for s in samples) - min(s.scheduled for s in samples)
+    wall = sum(max(s.stamps[-1] for s in r) - min(s.scheduled for s in r) for r in rounds)
     out: dict[str, Any] = {"path": path, "rate": rate}
     for name, xs in (("ttft", ttfts), ("itl", itls), ("tpot", tpots)):
         out |= {
@@ -368,17 +374,22 @@ async def steady_state(
         paths = Paths(
             url, session, coordinator, topology.model.name, params, topology.retry.deadline_s
         )
-        warm = workload(1.0, WARMUP_REQUESTS, args.prompt_len, args.seed + 1000)
-        warm = Workload(warm.rate, [0.0] * WARMUP_REQUESTS, warm.prompts)  # all at once
-        log(f"warm-up: {WARMUP_REQUESTS} requests per path")
-        for path in ("http", "direct"):
-            await paths.run_pass(path, warm, "warm")
+        log(f"warm-up: {WARMUP_ROUNDS} x {WARMUP_REQUESTS} requests per path")
+        for r in range(WARMUP_ROUNDS):
+            warm = workload(1.0, WARMUP_REQUESTS, args.prompt_len, args.seed + 1000 + r)
+            warm = Workload(warm.rate, [0.0] * WARMUP_REQUESTS, warm.prompts)  # all at once
+            for path in ("http", "direct"):
+                await paths.run_pass(path, warm, f"warm{r}")
         rows = []
         for i, rate in enumerate(args.rates):
-            w = workload(rate, args.requests, args.prompt_len, args.seed + i)
-            for path in ("http", "direct"):
-                log(f"rate {rate:g}/s: {path} pass, {args.requests} requests")
-                rows.append(summary(path, rate, await paths.run_pass(path, w, f"r{i}")))
+            rounds: dict[str, list[list[Sample]]] = {"http": [], "direct": []}
+            for rnd, order in enumerate((("http", "direct"), ("direct", "http"))):
+                n = args.requests // 2 + (args.requests % 2 if rnd == 0 else 0)
+                w = workload(rate, n, args.prompt_len, args.seed + 2 * i + rnd)
+                for path in order:
+                    log(f"rate {rate:g}/s, round {rnd + 1}: {path} pass, {n} requests")
+                    rounds[path].append(await paths.run_pass(path, w, f"r{i}.{rnd}"))
+            rows += [summary(path, rate, rounds[path]) for path in ("http", "direct")]
     return rows
 
 
