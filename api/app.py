@@ -441,7 +441,7 @@ class _Timing:
             emit_times=self.emit_times,
             finished=record.finished,
             num_prompt_tokens=record.num_prompt_tokens,
-            queue_time_s=None,
+            queue_time_s=record.queue_time_s,
         )
         self.metrics.observe_request(timing)
         log_record(timing)

@@ -84,6 +84,8 @@ class ClientRecord:
     first_token: float | None
     finished: float
     error: str | None = None
+    # Engine queue time (queued -> first scheduled) of the attempt that made the first token.
+    queue_time_s: float | None = None
 
 
 @dataclass
@@ -93,6 +95,7 @@ class _ClientStream:
     tokens: list[int] = field(default_factory=list)
     snapshot: SamplingSnapshot | None = None
     first_token_at: float | None = None
+    queue_time_s: float | None = None  # of the attempt that produced the first token
     finish_reason: str | None = None
 
 
@@ -209,6 +212,7 @@ class Coordinator:
                     arrival=spec.arrival_time,
                     first_token=stream.first_token_at,
                     finished=time.time(),
+                    queue_time_s=stream.queue_time_s,
                     error=error,
                 )
             )
@@ -248,6 +252,7 @@ class Coordinator:
                     first.token_ids,
                     sampler_snapshot=first.sampler_snapshot,
                     logprobs=first.logprobs,
+                    queue_time_s=first.queue_time_s,
                 )
             for delta in self._accept(first, decision.prefill, stream):
                 yield delta
@@ -342,6 +347,7 @@ class Coordinator:
         for i, token in enumerate(batch.token_ids):
             if stream.first_token_at is None:
                 stream.first_token_at = time.time()
+                stream.queue_time_s = batch.queue_time_s
             stream.tokens.append(token)
             step = stream.text.step(token)
             logprobs = [batch.logprobs[i]] if want_logprobs and batch.logprobs else None

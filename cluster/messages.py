@@ -66,6 +66,7 @@ class TokenBatch:
     sampler_snapshot: SamplingSnapshot | None = None  # after the last token, when tracked
     error: str | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
+    queue_time_s: float | None = None  # in the batch with the attempt's first token
 
 
 @dataclass(frozen=True)

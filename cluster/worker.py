@@ -42,6 +42,7 @@ def batch_of(out: StreamOutput) -> TokenBatch:
         finish_reason=out.finish_reason,
         sampler_snapshot=out.sampler_snapshot,
         logprobs=out.logprobs,
+        queue_time_s=out.queue_time_s,
     )
 
 

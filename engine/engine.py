@@ -46,6 +46,8 @@ class StreamOutput:
     # The sampler state after token_ids, for requests that asked (a migration resumes from it)
     # and on the final output of a prefill-only request (the decode worker continues from it).
     sampler_snapshot: SamplingSnapshot | None = None
+    # With the first token only: seconds from entering the queue to first being scheduled.
+    queue_time_s: float | None = None
 
 
 @dataclass
@@ -364,8 +366,10 @@ class LLMEngine:
         seq = self._seqs[req.request_id]
         token = req.output_token_ids[-1]
         now = time.time()
+        queue_time = None
         if req.times.first_token is None:
             req.times.first_token = now
+            queue_time = metrics.queue_time(req.times)
         delta = seq.detok.step(token)
         if delta.stop_matched is not None and not req.is_finished:
             self.scheduler.finish_request(req.request_id, FinishReason.STOP_STRING)
@@ -373,7 +377,13 @@ class LLMEngine:
         lp = seq.logprobs[-1:] if req.sampling_params.logprobs is not None else None
         snap = seq.sampling.snapshot() if seq.snapshots else None
         return StreamOutput(
-            req.request_id, seq.index, [token], delta.text, logprobs=lp, sampler_snapshot=snap
+            req.request_id,
+            seq.index,
+            [token],
+            delta.text,
+            logprobs=lp,
+            sampler_snapshot=snap,
+            queue_time_s=queue_time,
         )
 
     def _record_emits(self, seq: _Sequence, num_emitted: int, now: float) -> None:

@@ -42,6 +42,15 @@ def e2e(times: RequestTimes) -> float | None:
     return times.emits[-1] - times.arrival if times.emits else None
 
 
+def queue_time(times: RequestTimes) -> float | None:
+    """Time in the engine's queue: from entering it to the first step that scheduled the
+    request (None until both happened). Part of TTFT, reported apart (seed §2.1: declare
+    whether TTFT includes queueing)."""
+    if times.queued is None or times.first_scheduled is None:
+        return None
+    return times.first_scheduled - times.queued
+
+
 def percentile(values: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (q in [0, 100]); NaN for no samples."""
     if not values:

@@ -156,6 +156,7 @@ class TerminalRecord:
     first_token: float | None
     finished: float
     error: str | None = None
+    queue_time_s: float | None = None  # queued -> first scheduled; None if never scheduled
 
 
 @dataclass(eq=False)  # identity: queues test membership, and field-wise == would be O(tokens)

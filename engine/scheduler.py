@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from engine import metrics
 from engine.admission import Admission, AdmissionResult
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.config import EngineConfig
@@ -406,6 +407,7 @@ class Scheduler:
             first_token=req.times.first_token,
             finished=req.times.finished,
             error=req.error,
+            queue_time_s=metrics.queue_time(req.times),
         )
         self.records.append(req.record)
         return req.record

@@ -158,6 +158,9 @@ class PrefillWorker(EngineWorker):
                 finish_reason=final.finish_reason,
                 sampler_snapshot=final.sampler_snapshot,
                 logprobs=logprobs if attempt.request.params.logprobs is not None else None,
+                queue_time_s=next(
+                    (o.queue_time_s for o in outs if o.queue_time_s is not None), None
+                ),
             )
             if handed_off:
                 await released.wait()

@@ -380,10 +380,9 @@ def test_health_models_and_metrics(server: str, client: openai.OpenAI) -> None:
         "tandem_rejections_total",
     ):
         assert name in text
-    pulls = [
-        line for line in text.splitlines() if line.startswith("tandem_kv_transfer_bytes_count")
-    ]
-    assert pulls and float(pulls[0].split()[-1]) > 0  # the decode worker's pulls, observed
+    for count in ("tandem_kv_transfer_bytes_count", "tandem_queue_time_seconds_count"):
+        lines = [line for line in text.splitlines() if line.startswith(count)]
+        assert lines and float(lines[0].split()[-1]) > 0, count  # observed, not just declared
 
 
 def test_tenants_never_share_cached_prefixes(server: str) -> None:

@@ -118,6 +118,9 @@ def test_disaggregated_equals_colocated(cluster: Cluster, colocated: LLMEngine) 
     async def body() -> None:
         got = await asyncio.gather(*(collect(cluster, t, p) for t, p in cases))
         assert got == [expected(colocated, t, p) for t, p in cases]
+        # Each record has the queue time of the prefill engine that made its first token.
+        records = cluster.coordinator.records[-len(cases) :]
+        assert all(r.queue_time_s is not None and r.queue_time_s >= 0 for r in records)
         await assert_clean(cluster)
 
     run(body())

@@ -68,6 +68,8 @@ def test_colocated_topology_serves_the_same_tokens(
         assert got == [expected(colocated, t, p) for t, p in cases]
         modes = {d["mode"] for d in await c.router.decisions.remote()}
         assert modes == {"colocated"}
+        records = c.coordinator.records[-len(cases) :]
+        assert all(r.queue_time_s is not None and r.queue_time_s >= 0 for r in records)
         await assert_clean(c)
 
     with launch(COLOCATED, test_llama) as c:

@@ -29,6 +29,36 @@ def test_undefined_cases() -> None:
     assert metrics.itls(RequestTimes(arrival=1.0, emits=[2.0])) == []
 
 
+def test_queue_time_is_queued_to_first_scheduled() -> None:
+    assert metrics.queue_time(RequestTimes(arrival=1.0, queued=1.5, first_scheduled=2.25)) == 0.75
+    assert metrics.queue_time(RequestTimes(arrival=1.0, queued=1.5)) is None  # never scheduled
+    assert metrics.queue_time(RequestTimes(arrival=1.0)) is None
+
+
+def test_first_stream_output_carries_the_queue_time(test_llama: Path) -> None:
+    """Two requests, one batch slot: the second waits a whole request in the queue, and its
+    first output says how long (the workers forward this to the client record)."""
+    engine = LLMEngine.from_checkpoint(
+        test_llama, EngineConfig(dtype="float32", kv_cache_bytes=2**22, max_num_seqs=1)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    first = engine.add_request([5, 6, 7], params)
+    second = engine.add_request([8, 9, 10], params)
+    outs: dict[str, list] = {first: [], second: []}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    records = {r.request_id: r for r in engine.scheduler.records}
+    for rid in (first, second):
+        assert outs[rid][0].token_ids  # the first output has the first token
+        assert outs[rid][0].queue_time_s == records[rid].queue_time_s is not None
+        assert all(o.queue_time_s is None for o in outs[rid][1:])
+    # The second waited in the queue until the first had finished all its steps.
+    q1, q2 = outs[first][0].queue_time_s, outs[second][0].queue_time_s
+    assert q1 is not None and q2 is not None
+    assert q2 > q1 and q2 >= records[first].finished - records[second].arrival - 0.05
+
+
 def test_percentile_and_goodput_are_distinct() -> None:
     assert metrics.percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.0
     assert metrics.percentile([3.0, 1.0, 2.0, 4.0], 100) == 4.0
