@@ -6,7 +6,8 @@ Prints a table, writes JSON and a PNG plot under ``bench/results/``.
     .venv/bin/python -m bench.engine_bench [--sizes small tiny] [--requests 64]
 
 Figures: output tokens/s of Tandem (continuous batching over all N requests) vs transformers
-at batch N (left padded) and at batch 1, with the bf16 checkpoint as is and upcast to fp32 (the
+at batch N (left padded) and at batch 1 (median of 3 interleaved runs each), with the bf16
+checkpoint as is and upcast to fp32 (the
 fair baseline where this CPU has no native bf16 GEMM); decode step time at batch 1/32/64 against this
 machine's roofline (weight bytes / measured copy bandwidth, FLOPs / measured matmul rate of the
 GEMM dtype the engine runs: bf16 where native, else fp32 -- see engine/model.py ``Linear``);
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -31,6 +33,7 @@ from engine.model import default_linear_mode
 from engine.sampling_params import SamplingParams
 
 RESULTS = Path(__file__).resolve().parent / "results"
+SINGLE_REPS = 3  # batch-1 runs per side (medians compared)
 
 
 def log(msg: str) -> None:
@@ -211,23 +214,28 @@ def bench_size(size: str, n: int, plen: int, olen: int, rates: dict[str, float])
     vocab = engine.model_config.vocab_size
     # Distinct prompt sets, so no run gets prefix-cache hits from an earlier one.
     prompts = prompts_for(n, plen, vocab)
-    single = prompts_for(1, plen, vocab, seed=2)
+    # Single-stream runs are short and this machine is noisy: several, each a fresh prompt
+    # (no cache hit), Tandem and transformers interleaved, medians compared.
+    singles = [prompts_for(1, plen, vocab, seed=20 + r) for r in range(SINGLE_REPS)]
     tandem_throughput(engine, prompts_for(4, plen, vocab, seed=3), 4)  # warm-up
     log(f"{size}: Tandem batch {n}")
     t_batch = tandem_throughput(engine, prompts, olen)
-    log(f"{size}: Tandem batch 1")
-    t_one = tandem_throughput(engine, single, olen)
     log(f"{size}: transformers")
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
     pad = min(engine.tokenizer.eos_token_ids, default=0)
     hf_throughput(hf, prompts[:2], 4, pad)  # warm-up
     h_batch = hf_throughput(hf, prompts, olen, pad)
-    h_one = hf_throughput(hf, single, olen, pad)
+    log(f"{size}: batch 1, Tandem and transformers interleaved, {SINGLE_REPS} runs each")
+    t_ones, h_ones = [], []
+    for single in singles:
+        t_ones.append(tandem_throughput(engine, single, olen))
+        h_ones.append(hf_throughput(hf, single, olen, pad))
+    t_one, h_one = statistics.median(t_ones), statistics.median(h_ones)
     log(f"{size}: transformers, fp32 weights")
     hf = hf.float()
     hf_throughput(hf, prompts[:2], 4, pad)
     h32_batch = hf_throughput(hf, prompts, olen, pad)
-    h32_one = hf_throughput(hf, single, olen, pad)
+    h32_one = statistics.median(hf_throughput(hf, single, olen, pad) for single in singles)
     del hf
     steps = {}
     for b in (1, 32, 64):
@@ -249,6 +257,8 @@ def bench_size(size: str, n: int, plen: int, olen: int, rates: dict[str, float])
         "tandem_tok_s_1": t_one,
         "hf_tok_s_1": h_one,
         "speedup_1": t_one / h_one,
+        "tandem_tok_s_1_runs": t_ones,
+        "hf_tok_s_1_runs": h_ones,
         "hf_fp32_tok_s_batch": h32_batch,
         "hf_fp32_tok_s_1": h32_one,
         "speedup_batch_vs_fp32": t_batch / h32_batch,
