@@ -10,7 +10,8 @@ at batch N (left padded) and at batch 1 (median of 3 interleaved runs each), wit
 checkpoint as is and upcast to fp32 (the fair baseline where this CPU has no native bf16 GEMM);
 decode step time at batch 1/32/64 against this machine's roofline (weight bytes / measured copy
 bandwidth, FLOPs / measured matmul rate of the GEMM dtype the engine runs: bf16 where native,
-else fp32 -- see engine/model.py ``Linear``); cold start of ``tandem generate`` (process start to first token).
+else fp32 -- see engine/model.py ``Linear``); cold start of ``tandem generate`` (process start
+to first token).
 """
 
 from __future__ import annotations
