@@ -39,7 +39,9 @@ app = FastAPI(title="Tandem", description="OpenAI-compatible API of a Tandem clu
 class Ingress:
     async def __init__(self, topology: str, model: str | None = None) -> None:  # type: ignore[misc]
         spec = load_topology(topology)
-        model_dir = Path(model) if model else model_dir_of(spec)
+        if model:
+            spec = spec.with_model_path(Path(model))
+        model_dir = model_dir_of(spec)
         self.cluster: Cluster = await start_cluster(spec, model_dir=model_dir)
         self.service = Service.for_cluster(self.cluster, model_dir)
 

@@ -63,7 +63,8 @@ def serve_forever(
     from cluster.topology import load_topology
 
     started = time.time()
-    name = load_topology(topology).model.name  # fails fast on a bad file, before Ray starts
+    spec = load_topology(topology)  # fails fast on a bad file, before Ray starts
+    name = (spec.with_model_path(model) if model else spec).model.name
     # From here on Ctrl-C (or SIGTERM) means: finish starting what was started, then shut down.
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

@@ -209,6 +209,12 @@ class Topology(_Section):
         5.0, gt=0, description="silence after which a worker is down"
     )
 
+    def with_model_path(self, path: Path) -> Topology:
+        """This topology serving the checkpoint at ``path`` instead of its own (``--model``):
+        named after the directory, as clients will ask for it; dtype kept."""
+        model = ModelSpec.model_validate({"path": path, "dtype": self.model.dtype})
+        return self.model_copy(update={"model": model})
+
     @field_validator("label_key")
     @classmethod
     def _check_label_key(cls, key: str) -> str:

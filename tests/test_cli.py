@@ -107,7 +107,11 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
         assert proc.stdout is not None
         first = proc.stdout.readline()  # printed once /health answers
         assert f"http://127.0.0.1:{port}/v1" in first, first
-        body = json.dumps({"model": "demo-tiny-llama", "prompt": "Hi", "max_tokens": 4}).encode()
+        assert f'"model": "{test_llama.name}"' in proc.stdout.readline()  # the example request
+        # --model serves that checkpoint under its directory's name, as vLLM does.
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as reply:
+            assert [m["id"] for m in json.loads(reply.read())["data"]] == [test_llama.name]
+        body = json.dumps({"model": test_llama.name, "prompt": "Hi", "max_tokens": 4}).encode()
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/completions",
             data=body,

@@ -118,6 +118,15 @@ def test_model_name_defaults_to_the_demo_or_dir_name(model: str, name: str) -> N
     assert Topology.from_yaml_text(f"model: {model}\n{PAIR}").model.name == name
 
 
+def test_a_model_override_serves_that_checkpoint_under_its_dir_name() -> None:
+    """``tandem serve --model DIR``: the topology's model (demo or named) gives way entirely."""
+    spec = Topology.from_yaml_text(f"model: {{demo_size: small, dtype: float32}}\n{PAIR}")
+    moved = spec.with_model_path(Path("/models/Qwen2-0.5B"))
+    assert (moved.model.path, moved.model.name) == (Path("/models/Qwen2-0.5B"), "Qwen2-0.5B")
+    assert moved.model.dtype == "float32" and moved.pools == spec.pools
+    assert spec.model.name == "demo-small-llama"  # the original is untouched (frozen)
+
+
 @pytest.mark.parametrize(
     ("transport", "gpus", "cuda", "expected"),
     [
