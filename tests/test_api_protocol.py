@@ -505,14 +505,33 @@ def test_token_bytes_rebuild_the_text(
     request: pytest.FixtureRequest, tok_name: str, text: str
 ) -> None:
     """Mid-stream, each token adds exactly its bytes: a token after the prompt is decoded the
-    way the detokenizer sees it (leading spaces kept, split characters as their bytes)."""
+    way the detokenizer sees it (leading spaces kept, split characters as their bytes). A
+    special token (text like "<s>" parses to one) adds no text; its logprob entry still names
+    it by its own piece, as OpenAI's and vLLM's do."""
     tok: Tokenizer = request.getfixturevalue(tok_name)
     prompt = tok.encode("x", add_special_tokens=False)
     ids = tok.encode("x" + text, add_special_tokens=False)
     if ids[: len(prompt)] != prompt:
         return  # "x" merged into the text's first token
-    joined = b"".join(token_bytes(tok, t) for t in ids[len(prompt) :])
+    new = ids[len(prompt) :]
+    joined = b"".join(token_bytes(tok, t) for t in new if t not in tok.special_token_ids)
     assert joined == tok.decode(ids).encode()[len(tok.decode(prompt).encode()) :]
+    for t in new:
+        if t in tok.special_token_ids:
+            assert token_bytes(tok, t) == str(tok.id_to_token(t)).encode()
+
+
+@pytest.mark.parametrize("tok_name", ["demo_tok", "bl_tok"])
+def test_token_bytes_around_a_special_token(request: pytest.FixtureRequest, tok_name: str) -> None:
+    """The case hypothesis found: "<s>" in the text is the special token, which adds no text."""
+    tok: Tokenizer = request.getfixturevalue(tok_name)
+    special = min(tok.special_token_ids)
+    piece = str(tok.id_to_token(special))
+    prompt = tok.encode("x", add_special_tokens=False)
+    ids = tok.encode("x" + piece, add_special_tokens=False)
+    assert ids == [*prompt, special]
+    assert tok.decode(ids) == tok.decode(prompt)  # no text added
+    assert token_bytes(tok, special) == piece.encode()
 
 
 def test_token_strings_of_split_characters(demo_tok: Tokenizer, bl_tok: Tokenizer) -> None:
