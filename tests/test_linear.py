@@ -104,6 +104,11 @@ def test_skinny_kernel_rejects_bad_shapes_by_name() -> None:
         kernels.skinny_linear(torch.zeros(1, 16, dtype=torch.bfloat16), w, None)
     with pytest.raises(RuntimeError, match="bf16"):
         kernels.skinny_linear(torch.zeros(1, 32), w, None)
+    with pytest.raises(RuntimeError, match="bf16 bias"):
+        kernels.skinny_linear(torch.zeros(1, 32, dtype=torch.bfloat16), w, torch.zeros(4))
+    with pytest.raises(RuntimeError, match="bias has 3 elements"):
+        bias = torch.zeros(3, dtype=torch.bfloat16)
+        kernels.skinny_linear(torch.zeros(1, 32, dtype=torch.bfloat16), w, bias)
 
 
 def test_native_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> None:

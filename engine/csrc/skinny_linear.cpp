@@ -15,8 +15,8 @@
 
 #include <ATen/Parallel.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -127,11 +127,14 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional
   TORCH_CHECK(k % kChunk == 0, "skinny_linear: K must be a multiple of ", kChunk, ", got ", k);
   const torch::Tensor xc = x.contiguous();
   const torch::Tensor wc = weight.contiguous();
-  std::vector<float> b(static_cast<size_t>(n), 0.f);
+  // The bias is read in place (bf16, like the weight): nothing is converted per call.
+  torch::Tensor bc;
+  const uint16_t* bp = nullptr;
   if (bias.has_value()) {
-    const torch::Tensor bf = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bf.numel() == n, "skinny_linear: bias has ", bf.numel(), " elements, want ", n);
-    std::memcpy(b.data(), bf.data_ptr<float>(), sizeof(float) * n);
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kBFloat16, "skinny_linear: bf16 bias");
+    TORCH_CHECK(bc.numel() == n, "skinny_linear: bias has ", bc.numel(), " elements, want ", n);
+    bp = reinterpret_cast<const uint16_t*>(bc.data_ptr<at::BFloat16>());
   }
   const std::vector<float> xi =
       interleaved_rows(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), m, k);
@@ -142,7 +145,8 @@ torch::Tensor skinny_linear(torch::Tensor x, torch::Tensor weight, c10::optional
     float out[kMaxRows];
     for (int64_t j = begin; j < end; ++j) {
       dot_rows_any(xi.data(), m, k, wp + j * k, out);
-      for (int64_t r = 0; r < m; ++r) yp[r * n + j] = at::BFloat16(out[r] + b[j]);
+      const float bj = bp != nullptr ? widen(bp[j]) : 0.f;
+      for (int64_t r = 0; r < m; ++r) yp[r * n + j] = at::BFloat16(out[r] + bj);
     }
   });
   return y;
