@@ -84,13 +84,13 @@ class EngineConfig(BaseModel):
         "auto", description="compute dtype; auto keeps the checkpoint's"
     )
     device: str = Field("auto", description="'auto' picks cuda when present, else cpu")
-    attention_backend: Literal["sdpa", "cpu_kernel"] = Field(
-        "sdpa",
-        description="decode attention: gather + SDPA, or the compiled C++ paged kernel "
-        "(CPU only; falls back to sdpa when it cannot be built). The kernel is 3-9x faster per "
-        "call and ~25% off a small-model bf16 decode step at batch 64 (2-core EPYC), but its "
-        "bf16 rounding differs from SDPA's: teacher-forced argmax agreement with transformers "
-        "drops to ~97% on the bf16 test model (the bar is 99%), hence not the default",
+    attention_backend: Literal["auto", "sdpa", "cpu_kernel"] = Field(
+        "auto",
+        description="decode attention: 'cpu_kernel' is the compiled C++ paged kernel (reads K/V "
+        "in place, 3-9x faster per call than gathering for SDPA; bf16 follows torch's "
+        "flash-attention numerics), 'sdpa' gathers the blocks for PyTorch SDPA; 'auto' (and "
+        "'cpu_kernel' where the kernel cannot run: CUDA, no compiler) means the kernel on CPU "
+        "where it builds, else sdpa",
     )
     seed: int = Field(0, description="seed for requests that give none")
 

@@ -6,8 +6,8 @@ on a machine pays the compile (~40 s each; ``make setup`` builds them, see :func
 Where no compiler (or no OpenMP) exists, or ``TANDEM_NATIVE_KERNELS=0``, :func:`load` returns
 None, logs why once, and callers keep the pure-PyTorch path.
 
-* ``paged_decode_attention`` -- decode attention read in place through the block tables
-  (opt-in: ``attention_backend="cpu_kernel"``).
+* ``paged_decode_attention`` -- decode attention read in place through the block tables, with
+  torch's CPU flash-attention numerics in bf16 (the default on CPU, ``attention_backend``).
 * ``skinny_linear`` -- bf16-weight GEMM of a few rows at memory bandwidth, for CPUs without
   native bf16 GEMM (used by ``engine.model.Linear`` whenever it builds).
 """

@@ -1,15 +1,21 @@
 // Paged single-query (decode) attention on CPU, reading K/V in place through block tables.
 //
-// One OpenMP task per (sequence, run of kv heads): for each kv head the task takes the GQA group
-// of query heads that share it and walks the sequence's visible tokens a tile (up to 64 tokens,
-// several blocks) at a time, keeping an online (streaming) softmax in fp32, so every K/V row is
-// read once from memory and nothing is gathered. Per tile and kv head: all the group's scores
-// (8 tokens per register tile, one transpose-and-add per 8 dots), one vectorised exp pass that
-// also rescales the running state, then P.V with the accumulators held in registers. Blocks are
-// scattered, so the next tile's rows are prefetched, a few lines between each kernel call.
+// One OpenMP task per (sequence, run of kv heads). The visible keys are taken in splits of
+// kSplit = 512 positions, as torch's CPU flash attention (what transformers runs) splits them:
+// per split, every head of the task scores all its keys (a walk over K, up to 64 tokens per tile),
+// then one softmax over the split against the running max, then P.V (a walk over V), with the
+// accumulators rescaled when the max moves, so every K/V row is read once and nothing is gathered.
+// Blocks are scattered, so the next tile's rows are prefetched a few lines between kernel calls.
 //
-// With AVX2+FMA (and d % 16 == 0) the kernels use intrinsics; otherwise plain loops. An AVX-512
-// build takes the AVX2 path too (__AVX2__ is defined there).
+// bf16 follows torch's flash-attention numerics: scores (q . k) * scale in fp32, softmax weights
+// from torch's fast exp (fexp_u20, ~1e-4 relative), their sum in fp32, the weights rounded to
+// bf16 before P.V, fp32 accumulation, one rounding of the output. An exact fp32 softmax differs
+// from that by ~1 bf16 ulp in ~20% of outputs, and on the random-weight test models such
+// differences cost 2% of teacher-forced argmax agreement with transformers (97% vs 99%).
+// fp32 uses an exact exp and no rounding of the weights.
+//
+// With AVX2+FMA (and d % 16 == 0) the kernels use intrinsics; otherwise plain loops with the
+// same arithmetic. An AVX-512 build takes the AVX2 path too (__AVX2__ is defined there).
 
 #include <torch/extension.h>
 
@@ -20,6 +26,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -30,8 +37,62 @@
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-// Most tokens per online-softmax step (the step's max / exp / rescale is spread over them).
+// Keys per softmax split: torch's CPU flash-attention kv split, so the weights are rounded
+// against the same running max as there.
+constexpr int64_t kSplit = 512;
+// Most tokens per tile of a K or V walk.
 constexpr int64_t kTile = 64;
+
+// torch's fexp_u20 (ATen vec256_float.h), the exp its CPU flash attention applies for bf16:
+// 2^(x log2 e) with the fraction's 2^f corrected by a cubic and the result assembled in the
+// exponent bits. Constants as torch writes them (two are double literals narrowed to float).
+const float kFexpC0 = 0.00010703434948458272f;
+const float kFexpC1 = 0.30354260500649682f;
+const float kFexpC2 = static_cast<float>(-0.22433836478672356);
+const float kFexpC3 = static_cast<float>(-0.079204240219773236);
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+const float kLog2e = from_bits(0x3fb8aa3b);
+const float kLnFltMin = from_bits(0xc2aeac50);  // ln(FLT_MIN): below it the result is 0
+const float kTwo23 = 8388608.0f;                // 2^23
+const float kBias = 1065353216.0f;              // 127 * 2^23
+
+// Keeps `x` materialised: the compiler may not fuse the multiply that made it into a later add
+// (these kernels build with -ffp-contract=fast; torch's fexp has no such fusion).
+template <typename V>
+inline void no_contract(V& x) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+x"(x));
+#else
+  (void)x;
+#endif
+}
+
+inline float fexp_scalar(float x) {
+  if (x < kLnFltMin) return 0.0f;  // and -inf
+  float t = x * kLog2e;
+  no_contract(t);
+  const float frac = t - std::floor(t);
+  float p = std::fma(frac, kFexpC3, kFexpC2);
+  p = std::fma(frac, p, kFexpC1);
+  p = std::fma(frac, p, kFexpC0);
+  const int32_t bits = static_cast<int32_t>(std::fma(kTwo23, t - p, kBias));  // truncates
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// x rounded to the nearest bf16 (ties to even), kept as a float. Finite non-negative x only.
+inline float round_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) & 0xffff0000u;
+  std::memcpy(&x, &u, sizeof(x));
+  return x;
+}
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) {
@@ -83,6 +144,28 @@ inline __m256 exp_nonpos(__m256 x) {
   return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
+// fexp_scalar on 8 lanes (torch's fexp_u20 itself).
+inline __m256 fexp8(__m256 x) {
+  const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(kLnFltMin), _CMP_LT_OS);
+  __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(kLog2e));
+  no_contract(t);
+  const __m256 frac = _mm256_sub_ps(t, _mm256_floor_ps(t));
+  __m256 p = _mm256_fmadd_ps(frac, _mm256_set1_ps(kFexpC3), _mm256_set1_ps(kFexpC2));
+  p = _mm256_fmadd_ps(frac, p, _mm256_set1_ps(kFexpC1));
+  p = _mm256_fmadd_ps(frac, p, _mm256_set1_ps(kFexpC0));
+  const __m256 y = _mm256_fmadd_ps(_mm256_set1_ps(kTwo23), _mm256_sub_ps(t, p),
+                                   _mm256_set1_ps(kBias));
+  return _mm256_andnot_ps(under, _mm256_castsi256_ps(_mm256_cvttps_epi32(y)));  // -inf, NaN -> 0
+}
+
+// round_bf16 on 8 lanes.
+inline __m256 round_bf16_8(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), odd);
+  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(-65536)));
+}
+
 // [sum(a[0]), ..., sum(a[7])]: one transpose-and-add instead of a horizontal sum per dot.
 inline __m256 hsum8(const __m256* a) {
   const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
@@ -130,12 +213,13 @@ inline int64_t slot(int64_t i, bool vec) {
   return (i & ~int64_t{15}) + ((i & 1) << 3) + ((i & 15) >> 1);
 }
 
-// s[t] = q . k[t] for t < n (s has room for n rounded up to 8).
+// s[t] = (q . k[t]) * scale for t < n (s has room for n rounded up to 8).
 template <typename T>
 inline void tile_scores(const float* q, const T* const* k, int64_t n, int64_t d, bool vec,
-                        float* s) {
+                        float scale, float* s) {
 #ifdef TANDEM_AVX2
   if (vec) {
+    const __m256 sc = _mm256_set1_ps(scale);
     for (int64_t t0 = 0; t0 < n; t0 += 8) {
       const T* r[8];  // 8 tokens at once: 8 independent FMA chains, one reduction
       for (int64_t j = 0; j < 8; ++j) r[j] = k[std::min(t0 + j, n - 1)];
@@ -149,7 +233,7 @@ inline void tile_scores(const float* q, const T* const* k, int64_t n, int64_t d,
           a[j] = _mm256_fmadd_ps(q1, y, _mm256_fmadd_ps(q0, x, a[j]));
         }
       }
-      _mm256_storeu_ps(s + t0, hsum8(a));
+      _mm256_storeu_ps(s + t0, _mm256_mul_ps(hsum8(a), sc));
     }
     return;
   }
@@ -160,14 +244,16 @@ inline void tile_scores(const float* q, const T* const* k, int64_t n, int64_t d,
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < d; ++i) acc += q[i] * to_float(kr[i]);
-    s[t] = acc;
+    no_contract(acc);
+    s[t] = acc * scale;
   }
 }
 
-inline float tile_max(float* s, int64_t n, float mx) {
-#ifdef TANDEM_AVX2
+// max(mx, s[0, n)); pads s up to a multiple of 8 with -inf (weight 0 in split_exp).
+inline float split_max(float* s, int64_t n, float mx) {
   const int64_t n8 = (n + 7) / 8 * 8;
-  for (int64_t t = n; t < n8; ++t) s[t] = kNegInf;  // padding: exp() of it is 0 below
+  for (int64_t t = n; t < n8; ++t) s[t] = kNegInf;
+#ifdef TANDEM_AVX2
   __m256 m = _mm256_set1_ps(mx);
   for (int64_t t = 0; t < n8; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
   return hmax(m);
@@ -177,22 +263,30 @@ inline float tile_max(float* s, int64_t n, float mx) {
 #endif
 }
 
-// s[t] = exp(s[t] - mx) for t < n; returns their sum.
-inline float tile_exp(float* s, int64_t n, float mx) {
+// s[t] = exp(s[t] - mx) over s's padded length (split_max made the padding -inf: weight 0);
+// returns the weights' sum. `bf16`: torch's flash-attention numerics -- its fast exp, the sum of
+// the unrounded weights (vector lanes first), the weights then rounded to bf16 for P.V. (torch
+// takes std::exp for the last kv_len % 8 keys of a call; in the causal prefill transformers runs
+// those are masked for all but a chunk's last rows, so the fast exp it is.) fp32: an exact exp.
+template <bool bf16>
+inline float split_exp(float* s, int64_t n, float mx) {
+  const int64_t n8 = (n + 7) / 8 * 8;
 #ifdef TANDEM_AVX2
   __m256 sum = _mm256_setzero_ps();
   const __m256 m = _mm256_set1_ps(mx);
-  for (int64_t t = 0; t < n; t += 8) {  // the padding up to a multiple of 8 is -inf -> 0
-    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
-    _mm256_storeu_ps(s + t, e);
+  for (int64_t t = 0; t < n8; t += 8) {
+    const __m256 x = _mm256_sub_ps(_mm256_loadu_ps(s + t), m);
+    const __m256 e = bf16 ? fexp8(x) : exp_nonpos(x);
     sum = _mm256_add_ps(sum, e);
+    _mm256_storeu_ps(s + t, bf16 ? round_bf16_8(e) : e);
   }
   return hsum(sum);
 #else
   float total = 0.0f;
-  for (int64_t t = 0; t < n; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    total += s[t];
+  for (int64_t t = 0; t < n8; ++t) {
+    const float e = bf16 ? fexp_scalar(s[t] - mx) : std::exp(s[t] - mx);
+    total += e;
+    s[t] = bf16 ? round_bf16(e) : e;
   }
   return total;
 #endif
@@ -220,42 +314,42 @@ inline void tile_pv(const float* p, const T* const* v, int64_t n, int64_t d, boo
   }
 }
 
-// Rows of a tile: k[t] / v[t] point at token t's K / V row, at the task's first kv head.
+// Rows of a tile: row[t] points at token t's K (or V) row, at the task's first kv head.
 template <typename T>
 struct Tile {
-  const T* k[kTile];
-  const T* v[kTile];
+  const T* row[kTile];
   int64_t n = 0;
 };
 
-// The next tile's K then V lines, prefetched a few at a time between this tile's kernels:
-// blocks are scattered, and one burst of them would stall on the miss buffers.
+// The next tile's lines, prefetched a few at a time between this tile's kernels: blocks are
+// scattered, and one burst of them would stall on the miss buffers.
 template <typename T>
 struct Prefetcher {
   const Tile<T>* tile = nullptr;
-  int64_t lines = 0, which = 2, row = 0, line = 0, per_call = 0;  // which: 0 K, 1 V, 2 done
+  int64_t lines = 0, row = 0, line = 0, per_call = 0;
+  bool active = false;
   // Spread the tile's lines over `calls` calls of issue().
   void start(const Tile<T>& next, int64_t row_bytes, int64_t calls) {
     tile = &next;
     lines = (row_bytes + 63) / 64;
-    which = row = line = 0;
-    per_call = (2 * next.n * lines + calls - 1) / calls;
+    row = line = 0;
+    per_call = (next.n * lines + calls - 1) / calls;
+    active = true;
   }
-  void stop() { which = 2; }
+  void stop() { active = false; }
   void issue() {
-    for (int64_t count = per_call; count > 0 && which < 2; --count) {
-      const T* r = which == 0 ? tile->k[row] : tile->v[row];
-      __builtin_prefetch(reinterpret_cast<const char*>(r) + 64 * line);
+    for (int64_t count = per_call; count > 0 && active; --count) {
+      __builtin_prefetch(reinterpret_cast<const char*>(tile->row[row]) + 64 * line);
       if (++line == lines) {
         line = 0;
-        if (++row == tile->n) row = 0, ++which;
+        if (++row == tile->n) active = false;
       }
     }
   }
 };
 
 // Sequence attention for the query heads of kv heads [g0, g1) over table positions
-// [start, end); q / out point at the first of those heads. The kv heads share the tile walk:
+// [start, end); q / out point at the first of those heads. The kv heads share the tile walks:
 // located once per tile, and a task with several reads contiguous rows.
 template <typename T>
 void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
@@ -266,15 +360,16 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
 #else
   const bool vec = false;
 #endif
+  constexpr bool bf16 = !std::is_same_v<T, float>;
   const int64_t heads = (g1 - g0) * group;
-  // buf: q [heads, d] | acc [heads, d] | m, l [heads] | scores [group, kTile]
+  // buf: q [heads, d] | acc [heads, d] | m, l [heads] | scores [heads, kSplit]
   float* qf = buf;
   float* acc = qf + heads * d;
   float* m = acc + heads * d;
   float* l = m + heads;
   float* scores = l + heads;
   for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t i = 0; i < d; ++i) qf[h * d + slot<T>(i, vec)] = to_float(q[h * d + i]) * scale;
+    for (int64_t i = 0; i < d; ++i) qf[h * d + slot<T>(i, vec)] = to_float(q[h * d + i]);
     m[h] = kNegInf;
     l[h] = 0.0f;
   }
@@ -285,59 +380,66 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   // heads go over it.
   const int64_t tile_len =
       std::clamp<int64_t>(8192 / (d * static_cast<int64_t>(sizeof(T))) / 8 * 8, 8, kTile);
-  auto locate = [&](int64_t pos, Tile<T>& tile) {
-    tile.n = std::min(tile_len, end - pos);
+  auto locate = [&](const T* cache, int64_t pos, int64_t limit, Tile<T>& tile) {
+    tile.n = std::min(tile_len, limit - pos);
     int64_t blk = pos / block_size, off = pos % block_size;
     for (int64_t j = 0; j < tile.n; ++j) {
-      const int64_t row = (table[blk] * block_size + off) * token_stride + g0 * d;
-      tile.k[j] = k_cache + row;
-      tile.v[j] = v_cache + row;
+      tile.row[j] = cache + (table[blk] * block_size + off) * token_stride + g0 * d;
       if (++off == block_size) off = 0, ++blk;
     }
   };
   Tile<T> tiles[2];
   Prefetcher<T> pf;
-  const T* kr[kTile];
-  const T* vr[kTile];
-  int cur = 0;
-  if (start < end) locate(start, tiles[0]);
-  for (int64_t pos = start; pos < end; cur ^= 1) {
-    const Tile<T>& tile = tiles[cur];
-    const int64_t n = tile.n;
-    pf.stop();
-    if (pos + n < end) {
-      locate(pos + n, tiles[cur ^ 1]);
-      pf.start(tiles[cur ^ 1], row_bytes, 2 * heads);
-    }
-    for (int64_t g = 0; g < g1 - g0; ++g) {
-      for (int64_t t = 0; t < n; ++t) kr[t] = tile.k[t] + g * d, vr[t] = tile.v[t] + g * d;
-      float* qg = qf + g * group * d;
-      float* ag = acc + g * group * d;
-      // All heads' scores, softmax, then all heads' P.V: the group shares the K (then V)
-      // rows of this kv head while they are in L1.
-      for (int64_t h = 0; h < group; ++h) {
-        pf.issue();
-        tile_scores(qg + h * d, kr, n, d, vec, scores + h * kTile);
+  const T* rows[kTile];
+  // body(tile, offset of the tile in the split) for each tile of cache rows [b0, b1).
+  auto walk = [&](const T* cache, int64_t b0, int64_t b1, auto&& body) {
+    int cur = 0;
+    locate(cache, b0, b1, tiles[0]);
+    for (int64_t pos = b0; pos < b1; cur ^= 1) {
+      const Tile<T>& tile = tiles[cur];
+      pf.stop();
+      if (pos + tile.n < b1) {
+        locate(cache, pos + tile.n, b1, tiles[cur ^ 1]);
+        pf.start(tiles[cur ^ 1], row_bytes, heads);
       }
-      for (int64_t h = 0; h < group; ++h) {
-        float* sh = scores + h * kTile;
-        float* ah = ag + h * d;
-        const int64_t hh = g * group + h;
-        const float mx = tile_max(sh, n, m[hh]);
-        if (mx > m[hh]) {  // the running max moved: rescale what was summed under the old one
-          const float alpha = std::exp(m[hh] - mx);  // exp(-inf) = 0 on the first tile
-          l[hh] *= alpha;
-          for (int64_t i = 0; i < d; ++i) ah[i] *= alpha;
-          m[hh] = mx;
+      body(tile, pos - b0);
+      pos += tile.n;
+    }
+  };
+  for (int64_t b0 = start; b0 < end;) {
+    const int64_t b1 = std::min(end, (b0 / kSplit + 1) * kSplit);
+    // Every head's scores over the split; a kv head's K rows are shared by its group in L1.
+    walk(k_cache, b0, b1, [&](const Tile<T>& tile, int64_t off) {
+      for (int64_t g = 0; g < g1 - g0; ++g) {
+        for (int64_t t = 0; t < tile.n; ++t) rows[t] = tile.row[t] + g * d;
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          pf.issue();
+          tile_scores(qf + h * d, rows, tile.n, d, vec, scale, scores + h * kSplit + off);
         }
-        l[hh] += tile_exp(sh, n, mx);
       }
-      for (int64_t h = 0; h < group; ++h) {
-        pf.issue();
-        tile_pv(scores + h * kTile, vr, n, d, vec, ag + h * d);
+    });
+    // Softmax over the split against the running max (torch's order of operations).
+    for (int64_t h = 0; h < heads; ++h) {
+      float* sh = scores + h * kSplit;
+      const float mx = split_max(sh, b1 - b0, m[h]);
+      const float sum = split_exp<bf16>(sh, b1 - b0, mx);
+      const float alpha = std::exp(m[h] - mx);  // exp(-inf) = 0 on the first split
+      l[h] = sum + alpha * l[h];
+      if (b0 != start) {
+        for (int64_t i = 0; i < d; ++i) acc[h * d + i] *= alpha;
       }
+      m[h] = mx;
     }
-    pos += n;
+    walk(v_cache, b0, b1, [&](const Tile<T>& tile, int64_t off) {
+      for (int64_t g = 0; g < g1 - g0; ++g) {
+        for (int64_t t = 0; t < tile.n; ++t) rows[t] = tile.row[t] + g * d;
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          pf.issue();
+          tile_pv(scores + h * kSplit + off, rows, tile.n, d, vec, acc + h * d);
+        }
+      }
+    });
+    b0 = b1;
   }
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // empty context -> zeros
@@ -357,7 +459,7 @@ void run_tasks(const T* q, const T* k_cache, const T* v_cache, const int64_t* ta
   while (per_task > 1 && batch * (kv_heads / per_task) < 8 * threads)
     for (--per_task; kv_heads % per_task != 0;) --per_task;  // next smaller divisor
   const int64_t chunks = kv_heads / per_task, tasks = batch * chunks;
-  const int64_t buf_size = per_task * group * (2 * d + 2) + group * kTile;
+  const int64_t buf_size = per_task * group * (2 * d + 2 + kSplit);
 #pragma omp parallel num_threads(threads)
   {
     std::vector<float> buf(buf_size);  // per thread, reused by all its tasks
