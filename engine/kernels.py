@@ -1,8 +1,10 @@
 """Native CPU kernels, compiled on first use with ``torch.utils.cpp_extension.load_inline``.
 
-The build lands in torch's extensions dir (``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``) keyed by a hash of the source and flags, so only the first process
-on a machine pays the compile (~40 s each; ``make setup`` builds them, see :func:`build_all`).
+Builds land in the environment's own directory (``<sys.prefix>/tandem-kernels/<name>``, or
+``$TORCH_EXTENSIONS_DIR/<name>`` when that is set), so only the first process pays the compile
+(~40 s each; ``make setup`` builds them, see :func:`build_all`). Not torch's shared default
+(``~/.cache/torch_extensions``): two environments' builds differ in their include paths, and
+sharing one directory made each rebuild the other's (a 2-minute ``tandem serve`` cold start).
 Where no compiler (or no OpenMP) exists, or ``TANDEM_NATIVE_KERNELS=0``, :func:`load` returns
 None, logs why once, and callers keep the pure-PyTorch path.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -50,6 +53,7 @@ def load(name: str) -> ModuleType | None:
 
         return load_inline(
             name=f"tandem_{name}",
+            build_directory=str(build_dir(name)),
             cpp_sources=[(_CSRC / f"{name}.cpp").read_text()],
             functions=[name],
             extra_cflags=_FLAGS,
@@ -58,6 +62,14 @@ def load(name: str) -> ModuleType | None:
     except Exception as exc:  # no compiler, no OpenMP, no headers: all mean "use PyTorch"
         log.warning("CPU kernel %s unavailable, using PyTorch: %s", name, exc)
         return None
+
+
+def build_dir(name: str) -> Path:
+    """Where kernel ``name`` is built and cached (created if missing)."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(sys.prefix, "tandem-kernels")
+    path = Path(root) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
 
 
 def build_all() -> dict[str, bool]:

@@ -121,3 +121,16 @@ def test_native_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> 
             kernels.load("nope")
     finally:
         kernels.load.cache_clear()
+
+
+def test_kernels_build_in_this_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Builds are cached per environment (two venvs sharing torch's default dir rebuilt each
+    other's kernels on every start); TORCH_EXTENSIONS_DIR still wins when set."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    assert kernels.build_dir("skinny_linear") == Path(sys.prefix) / "tandem-kernels/skinny_linear"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    assert kernels.build_dir("skinny_linear") == tmp_path / "skinny_linear"
+    assert (tmp_path / "skinny_linear").is_dir()
