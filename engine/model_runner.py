@@ -57,7 +57,7 @@ class ModelRunner:
         # step is written: a prefill worker streams a layer while later layers compute.
         self.layer_hook: Callable[[int, SchedulerOutput], None] | None = None
         self.decode_kernel = (
-            config.attention_backend in ("auto", "cpu_kernel")
+            config.attention_backend != "sdpa"
             and device.type == "cpu"
             and kernels.load("paged_decode_attention") is not None
         )

@@ -169,7 +169,7 @@ def greedy_tokens(path: Path, backend: str) -> list[list[int]]:
             attention_backend=backend,  # type: ignore[arg-type]
         ),
     )
-    assert engine.runner.decode_kernel == (backend == "cpu_kernel")
+    assert engine.runner.decode_kernel == (backend != "sdpa")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(8, 2048, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 130)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -180,6 +180,12 @@ def greedy_tokens(path: Path, backend: str) -> list[list[int]]:
 
 def test_engine_cpu_kernel_matches_sdpa(test_llama: Path):
     assert greedy_tokens(test_llama, "cpu_kernel") == greedy_tokens(test_llama, "sdpa")
+
+
+def test_engine_default_takes_the_kernel_on_cpu(test_llama: Path):
+    """``attention_backend="auto"`` (the default) runs decodes through the kernel here."""
+    assert EngineConfig().attention_backend == "auto"
+    assert greedy_tokens(test_llama, "auto") == greedy_tokens(test_llama, "sdpa")
 
 
 def test_engine_cpu_kernel_sliding_window(demo_ckpt_factory):

@@ -3,6 +3,9 @@ to bf16, and a bf16 weight on CPU never takes torch's emulated bf16 GEMM."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -123,12 +126,9 @@ def test_native_kernels_can_be_switched_off(monkeypatch: pytest.MonkeyPatch) -> 
         kernels.load.cache_clear()
 
 
-def test_kernels_build_in_this_environment(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+def test_kernels_build_in_this_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Builds are cached per environment (two venvs sharing torch's default dir rebuilt each
     other's kernels on every start); TORCH_EXTENSIONS_DIR still wins when set."""
-    import sys
-    from pathlib import Path
-
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     assert kernels.build_dir("skinny_linear") == Path(sys.prefix) / "tandem-kernels/skinny_linear"
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
