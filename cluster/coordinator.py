@@ -362,6 +362,11 @@ class Coordinator:
                 break
         if batch.sampler_snapshot is not None:
             stream.snapshot = batch.sampler_snapshot
+        elif batch.token_ids:
+            # Greedy requests carry no per-token snapshots (only the prefill's, after token 1):
+            # one from before these tokens would misalign a migration, which then rebuilds the
+            # sampler from the tokens alone (all a greedy request needs).
+            stream.snapshot = None
         if stream.finish_reason is None and batch.finished:
             if batch.finish_reason in (None, "handed_off", "error", "abort", "timeout"):
                 if batch.finish_reason == "timeout":

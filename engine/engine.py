@@ -160,10 +160,12 @@ class LLMEngine:
         )
         req.prefill_only = prefill_only
         req.output_token_ids = self._checked_ids(resume_output, "resumed")
+        # Before admission: a snapshot that does not fit the output raises with nothing changed.
+        sampling = None if sampler_snapshot is None else self._restored(req, sampler_snapshot)
         result = self.scheduler.add_request(req)
         if result.status == RequestStatus.REJECTED:
             raise RequestRejected(f"request {req.request_id}: {result.reason}")
-        self._track(req, index=0, snapshot=sampler_snapshot, snapshots=snapshots)
+        self._track(req, index=0, sampling=sampling, snapshots=snapshots)
         return req.request_id
 
     def add_imported(
@@ -218,14 +220,7 @@ class LLMEngine:
             return
         req.output_token_ids.append(self._checked_ids([next_token], "imported")[0])
         if sampler_snapshot is not None:
-            params = req.sampling_params
-            seq.sampling = SamplingState.restore(
-                sampler_snapshot,
-                params,
-                req.prompt_token_ids,
-                req.output_token_ids,
-                req.eos_token_ids,
-            )
+            seq.sampling = self._restored(req, sampler_snapshot)
         self.scheduler.kv_ready(request_id)
         # Its text went out from the prefill side; the stream only needs to see it.
         if seq.detok.step(next_token).stop_matched is not None:
@@ -277,20 +272,29 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )
 
+    @staticmethod
+    def _restored(req: Request, snapshot: SamplingSnapshot) -> SamplingState:
+        """The sampler state ``snapshot`` holds, for ``req`` as it stands (ValueError when the
+        snapshot was taken at another output length)."""
+        return SamplingState.restore(
+            snapshot,
+            req.sampling_params,
+            req.prompt_token_ids,
+            req.output_token_ids,
+            req.eos_token_ids,
+        )
+
     def _track(
         self,
         req: Request,
         index: int,
-        snapshot: SamplingSnapshot | None = None,
+        sampling: SamplingState | None = None,
         snapshots: bool = False,
     ) -> None:
+        """Start following an admitted request; ``sampling`` defaults to a fresh state."""
         params = req.sampling_params
-        if snapshot is None:
+        if sampling is None:
             sampling = SamplingState.for_request(req, self.config.seed, sample_index=index)
-        else:
-            sampling = SamplingState.restore(
-                snapshot, params, req.prompt_token_ids, req.output_token_ids, req.eos_token_ids
-            )
         seq = _Sequence(
             request=req,
             index=index,

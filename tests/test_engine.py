@@ -290,3 +290,34 @@ def test_logprobs_through_the_engine(llama: Path) -> None:
         assert len(lp.top) == 3
         assert lp.logprob == pytest.approx(lp.top[0][1])
     assert_engine_clean(engine)
+
+
+def test_a_misaligned_sampler_snapshot_is_refused_before_admission(llama: Path) -> None:
+    """A migrated request whose snapshot was taken at another output length raises ValueError
+    and leaves nothing behind: the engine keeps stepping (a request admitted and then dropped
+    killed the next step with a KeyError) and serves the retry exactly."""
+    engine = engine_for(llama)
+    prompt = make_prompts(2048, seed=12)[0]
+    params = SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
+    [[full]] = engine.generate([prompt], params)
+    first = engine.add_request(prompt, params, snapshots=True)
+    outs = []
+    while not outs:
+        outs = [o for o in engine.step() if o.request_id == first]
+    snap = outs[0].sampler_snapshot  # taken after 1 output token
+    assert snap is not None and outs[0].token_ids == full.token_ids[:1]
+    engine.abort(first)
+    while engine.has_unfinished():
+        engine.step()
+    with pytest.raises(ValueError, match="snapshot taken at 1 output tokens"):
+        engine.add_request(prompt, params, resume_output=full.token_ids[:2], sampler_snapshot=snap)
+    assert not engine.has_unfinished()
+    assert_engine_clean(engine)
+    rid = engine.add_request(
+        prompt, params, resume_output=full.token_ids[:1], sampler_snapshot=snap
+    )
+    tokens = list(full.token_ids[:1])
+    while engine.has_unfinished():
+        tokens += [t for o in engine.step() if o.request_id == rid for t in o.token_ids]
+    assert tokens == full.token_ids
+    assert_engine_clean(engine)
