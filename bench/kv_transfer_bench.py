@@ -6,6 +6,11 @@ number of bytes from a preallocated buffer. The receiver (this process) pulls ea
 way a decode worker does -- every layer verified and written into its own cache blocks -- and,
 for raw TCP, ``recv_into``s a preallocated buffer. Runs are interleaved; best of N each.
 
+Two more columns say where the gap to raw TCP comes from: ``grpc_carrier`` streams the same
+bytes, prebuilt, over a bare gRPC stream in ``CHUNK_BYTES`` messages (what Python gRPC itself
+carries here: the gRPC transport's ceiling), and ``local_work`` is the KV format's own per-byte
+work (gather, checksums on both sides, scatter) done serially in one process.
+
     .venv/bin/python -m bench.kv_transfer_bench [--reps 5] [--big-mib 256]
 
 Workloads: a 1k-token request of the ``small`` demo model's KV layout (12 layers, 4 KV heads,
@@ -22,9 +27,11 @@ import multiprocessing as mp
 import socket
 import sys
 import time
+from concurrent import futures
 from pathlib import Path
 from typing import Any
 
+import grpc
 import torch
 
 from kv_transfer import make_transport
@@ -38,6 +45,7 @@ from kv_transfer.format import (
     write_layer,
 )
 from kv_transfer.grpc_transport import KVTransferServer
+from kv_transfer.wire import CHANNEL_OPTIONS, CHUNK_BYTES
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # The `small` demo model's KV geometry (engine/demo_model.py).
@@ -66,8 +74,9 @@ def sender(num_blocks: int, threads: int, commands: Any, replies: Any) -> None:
     registry = KVExportRegistry()
     server = KVTransferServer(registry)
     server.start()
+    carrier = grpc_carrier(layout().layer_nbytes(num_blocks) * LAYERS)
     listener = socket.create_server(("127.0.0.1", 0))
-    replies.put((server.address, listener.getsockname()[1]))
+    replies.put((server.address, listener.getsockname()[1], carrier[1]))
     conn, _ = listener.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     raw = bytearray(layout().layer_nbytes(num_blocks) * LAYERS)
@@ -93,19 +102,40 @@ def sender(num_blocks: int, threads: int, commands: Any, replies: Any) -> None:
             conn.sendall(memoryview(raw)[:nbytes])
     conn.close()
     server.stop(0)
+    carrier[0].stop(0)
+
+
+def grpc_carrier(nbytes: int) -> tuple[grpc.Server, int]:
+    """A gRPC server streaming ``nbytes`` of prebuilt bytes in CHUNK_BYTES messages: what gRPC
+    itself carries here, with no KV work (the gRPC transport's ceiling)."""
+    parts = [bytes(min(CHUNK_BYTES, nbytes - o)) for o in range(0, nbytes, CHUNK_BYTES)]
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=CHANNEL_OPTIONS)
+    handler = grpc.unary_stream_rpc_method_handler(lambda request, context: iter(parts))
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("bench", {"Bytes": handler})]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
 
 
 def run_workload(
     name: str, num_blocks: int, reps: int, ctx: Any, commands: Any, replies: Any, addr: Any
 ) -> dict[str, Any]:
-    address, raw_port = addr
+    address, raw_port, carrier_port = addr
     nbytes = layout().layer_nbytes(num_blocks) * LAYERS
     dst = torch.zeros(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=DTYPE)
     dst_blocks = list(range(num_blocks))[::-1]
     clients = {kind: make_transport(kind, puller_id=f"bench-{kind}") for kind in TRANSPORTS}
     raw_sock = socket.create_connection(("127.0.0.1", raw_port))
     raw_buf = bytearray(nbytes)
-    times: dict[str, list[float]] = {"raw_tcp": [], **{k: [] for k in TRANSPORTS}}
+    channel = grpc.insecure_channel(f"127.0.0.1:{carrier_port}", options=CHANNEL_OPTIONS)
+    carrier = channel.unary_stream("/bench/Bytes")
+    times: dict[str, list[float]] = {
+        "raw_tcp": [],
+        "grpc_carrier": [],
+        **{k: [] for k in TRANSPORTS},
+    }
 
     def sink(chunk: Any) -> None:
         write_layer(dst, chunk.layer, dst_blocks, chunk.payload)
@@ -120,6 +150,11 @@ def run_workload(
         raw_s = time.perf_counter() - t0
         if rep:
             times["raw_tcp"].append(raw_s)
+        t0 = time.perf_counter()
+        got = sum(len(m) for m in carrier(b""))
+        if rep:
+            times["grpc_carrier"].append(time.perf_counter() - t0)
+        assert got == nbytes, (got, nbytes)
         for kind, client in clients.items():
             key = TransferKey(f"{name}-{kind}", str(rep))
             commands.put(("publish", key, num_blocks))
@@ -131,6 +166,7 @@ def run_workload(
             if rep:
                 times[kind].append(took)
     raw_sock.close()
+    channel.close()
     for client in clients.values():
         client.close()
     best = {k: min(v) for k, v in times.items()}
@@ -142,7 +178,7 @@ def run_workload(
         "tokens": num_blocks * BLOCK,
         "best_s": best,
         "gib_s": {k: gib / s for k, s in best.items()},
-        "pct_of_raw": {k: 100 * best["raw_tcp"] / best[k] for k in TRANSPORTS},
+        "pct_of_raw": {k: 100 * best["raw_tcp"] / best[k] for k in [*TRANSPORTS, "grpc_carrier"]},
         "all_s": times,
     }
     log(f"{name}: " + ", ".join(f"{k} {v:.2f} GiB/s" for k, v in row["gib_s"].items()))
@@ -193,10 +229,11 @@ def main() -> None:
         rows.append(run_workload(name, num_blocks, a.reps, ctx, commands, replies, addr))
         commands.put(("stop",))
         proc.join(60)
-    head = " ".join(f"{k + ' GiB/s':>11} {'% raw':>6}" for k in TRANSPORTS)
+    cols = [*TRANSPORTS, "grpc_carrier"]
+    head = " ".join(f"{k + ' GiB/s':>18} {'% raw':>6}" for k in cols)
     print(f"\n{'workload':<10} {'MiB':>7} {'raw GiB/s':>10} {head} {'local work GiB/s':>17}")
     for r in rows:
-        cells = " ".join(f"{r['gib_s'][k]:>11.2f} {r['pct_of_raw'][k]:>6.0f}" for k in TRANSPORTS)
+        cells = " ".join(f"{r['gib_s'][k]:>18.2f} {r['pct_of_raw'][k]:>6.0f}" for k in cols)
         print(
             f"{r['workload']:<10} {r['bytes'] / 2**20:>7.1f} {r['gib_s']['raw_tcp']:>10.2f} "
             f"{cells} {r['gib_s']['local_work']:>17.2f}"
@@ -215,10 +252,11 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    kinds = ["raw_tcp", *TRANSPORTS]
+    kinds = ["raw_tcp", "grpc_carrier", *TRANSPORTS, "local_work"]
+    width = 0.8 / len(kinds)
     for i, kind in enumerate(kinds):
-        xs = [x + (i - 1) * 0.27 for x in range(len(rows))]
-        ax.bar(xs, [r["gib_s"][kind] for r in rows], 0.27, label=kind)
+        xs = [x + (i - (len(kinds) - 1) / 2) * width for x in range(len(rows))]
+        ax.bar(xs, [r["gib_s"][kind] for r in rows], width, label=kind)
     ax.set_xticks(range(len(rows)), [f"{r['workload']} ({r['bytes'] >> 20} MiB)" for r in rows])
     ax.set_ylabel("GiB/s (best of N, cross-process, loopback)")
     ax.legend()

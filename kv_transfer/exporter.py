@@ -110,6 +110,12 @@ class Export:
             self._ready[layer] = True
             self._cond.notify_all()
 
+    def message_ready(self, index: int) -> bool:
+        """Whether stream message ``index`` (see :data:`FaultHook`) can go out without waiting
+        for the engine: the header and trailer always can, a layer once it is written."""
+        layers = len(self._ready)
+        return not 1 <= index <= layers or self._ready[index - 1]
+
     def all_ready(self) -> None:
         with self._cond:
             self._ready = [True] * len(self._ready)
@@ -231,9 +237,9 @@ class KVExportRegistry:
 
     def stream(
         self, export: Export, deadline: float, cancelled: Callable[[], bool]
-    ) -> Iterator[Frame | LayerChunk]:
-        """What one pull sends, in order: header frame, one chunk per layer (each as soon as it
-        is ready), trailer frame -- with the fault hook applied. Raises
+    ) -> Iterator[tuple[int, Frame | LayerChunk]]:
+        """What one pull sends, in order, with each message's index: header frame, one chunk per
+        layer (each as soon as it is ready), trailer frame -- with the fault hook applied. Raises
         :class:`KVTransferAborted` once the export is released and :class:`KVTransferTimeout` at
         ``deadline``; stops quietly when ``cancelled()``."""
         layout = export.header.layout
@@ -266,7 +272,7 @@ class KVExportRegistry:
                     item = _damage(item, action.kind)
             if cancelled():
                 return
-            yield item
+            yield index, item
 
     def _forget(self, export: Export) -> None:
         with self._lock:

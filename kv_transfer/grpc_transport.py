@@ -1,11 +1,15 @@
 """The KV transfer gRPC service (both transports' control plane, and the gRPC transport's data
 plane) and the gRPC client.
 
-Throughput choices (see ``bench/kv_transfer_bench.py``): unlimited message sizes; layers split
-into ``CHUNK_BYTES`` messages so sending and receiving overlap; chunk messages built and parsed
-by hand around the payload (``wire.py``) so each payload byte is copied once into the message
-and once out of it. Torch mode keeps ``TORCH_SENDS_IN_FLIGHT`` layer payloads on the pair
-group while it reads and announces the next layers (sends on one tag arrive in order).
+Throughput choices (see ``bench/kv_transfer_bench.py``): unlimited message sizes; a sync gRPC
+server spends ~0.3-1 ms of thread hand-offs per stream message, so a pull packs what is ready
+into one ``KVBatch`` -- in gRPC mode up to ``CHUNK_BYTES`` of payload (layers split into
+``CHUNK_BYTES`` pieces, so sending and receiving overlap), in torch mode up to
+``TORCH_BATCH_BYTES`` of announced payload; the header always goes alone, so a puller can get
+ready while the first layers are read. Chunk messages are built and parsed by hand around the
+payload (``wire.py``) so each payload byte is copied once into a batch and once out of it.
+Torch mode announces each payload before sending it, sends only once the puller's receives
+are posted, and keeps ``TORCH_SENDS_IN_FLIGHT`` sends outstanding while it reads on.
 
 Each pull holds one server thread for its whole stream (waiting for layers included), so
 ``max_workers`` bounds the concurrent pulls a worker serves.
@@ -23,17 +27,19 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import torch
 
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.errors import KVTransferError
 from kv_transfer.exporter import Frame, KVExportRegistry, ReleaseReason
 from kv_transfer.format import KVLayout, LayerChunk, TransferHeader, TransferKey
 from kv_transfer.memory import keep_transfer_buffers_resident
-from kv_transfer.torch_transport import DEFAULT_TIMEOUT_S, PairGroupHost, PendingSend, payload_bytes
+from kv_transfer.torch_transport import DEFAULT_TIMEOUT_S, PairGroupHost, PendingOp, payload_bytes
 from kv_transfer.wire import (
     CHANNEL_OPTIONS,
     CHUNK_BYTES,
     SERVICE,
+    BatchWriter,
     Channels,
     GrpcStreamReader,
     chunk_messages,
@@ -45,6 +51,8 @@ from kv_transfer.wire import (
 
 # Torch mode: layer payloads a pull may have on the pair group, not yet received.
 TORCH_SENDS_IN_FLIGHT = 2
+# Torch mode: payload bytes announced per stream message at most (when more are ready).
+TORCH_BATCH_BYTES = 4 << 20
 
 
 class KVTransferServer:
@@ -110,50 +118,63 @@ class KVTransferServer:
 
     def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         key = TransferKey(request.request_id, request.attempt_id)
-        torch_mode = request.mode == pb.TORCH
         remaining = context.time_remaining()
         deadline = min(request.deadline, time.time() + (remaining or math.inf))
+        batch = BatchWriter()
+        pair: _PairPull | None = None
         done = threading.Event()
-        completed = False
-        sends: deque[PendingSend] = deque()
         try:
-            if torch_mode:
-                self._pair_host().check(request.group_id, deadline)
+            if request.mode == pb.TORCH:
+                pair = _PairPull(self._pair_host(), request.group_id, request.tag, deadline)
             export = self.registry.get(key, request.puller_id)
+            if pair is not None:
+                pair.expect_ready(export.header)
 
-            def on_done() -> None:  # RPC over (finished or cancelled): stop waiting for layers
+            def on_done() -> None:  # RPC over (finished or cancelled): stop waiting
                 done.set()
                 export.wake()
+                if pair is not None:
+                    pair.end()  # a wait for the puller's ready signal or a send fails now
 
             context.add_callback(on_done)
-            for item in self.registry.stream(export, deadline, done.is_set):
+            for index, item in self.registry.stream(export, deadline, done.is_set):
                 if isinstance(item, Frame):
-                    yield frame_message(item)
-                elif torch_mode:
-                    data = payload_bytes(item.payload)
-                    yield torch_chunk_message(item, data.numel())
-                    sends.append(
-                        self._pair_host().send(request.group_id, request.tag, data, deadline)
-                    )
-                    # Read and announce the next layers while earlier payloads are in flight.
-                    if len(sends) > TORCH_SENDS_IN_FLIGHT:
-                        sends.popleft().wait()
+                    batch.add([frame_message(item)])
+                elif pair is not None:
+                    pair.announce(batch, item)
                 else:
-                    yield from chunk_messages(item, self.chunk_bytes)
-            while sends:
-                sends.popleft().wait()
-            completed = True
+                    for pieces in chunk_messages(item, self.chunk_bytes):
+                        if batch and batch.payload_bytes + len(pieces[2]) > self.chunk_bytes:
+                            yield batch.take()
+                        batch.add(pieces, len(pieces[2]))
+                # Send what was produced once nothing more is ready, or the batch is full; the
+                # header goes alone, so the puller can post its receives meanwhile.
+                if batch and (
+                    index == 0
+                    or batch.payload_bytes >= (TORCH_BATCH_BYTES if pair else self.chunk_bytes)
+                    or not export.message_ready(index + 1)
+                ):
+                    yield batch.take()
+                    if pair is not None:
+                        pair.send_announced(keep=TORCH_SENDS_IN_FLIGHT)
+            if batch:
+                yield batch.take()
+            if pair is not None:
+                pair.send_announced(keep=0)
+                pair.completed = True
         except KVTransferError as e:
-            # Let the puller take the payloads it was already told about, then say why it ends.
+            # Let the puller take the layers it was already told about, then say why it ends.
             with contextlib.suppress(KVTransferError):
-                while sends:
-                    sends.popleft().wait()
+                if batch:
+                    yield batch.take()
+                if pair is not None:
+                    pair.send_announced(keep=0)
             context.abort(status_for(e), str(e))
         finally:
             # Failed, aborted or cancelled (GeneratorExit at a yield): a payload may be left
             # half-matched, so the group is out of step; the puller discards its end too.
-            if torch_mode and not completed:
-                self._pair_host().discard(request.group_id)
+            if pair is not None:
+                pair.end()
 
     def _release(
         self, request: pb.ReleaseRequest, context: grpc.ServicerContext
@@ -176,6 +197,50 @@ class KVTransferServer:
 
     def _health(self, request: pb.HealthRequest, context: grpc.ServicerContext) -> pb.HealthReply:
         return pb.HealthReply(exports=len(self.registry))
+
+
+class _PairPull:
+    """Torch mode, one pull: its payloads go over the pair group, each announced (on the gRPC
+    stream) before it is sent, and on gloo sent only once the puller has said that its receives
+    are posted (``torch_transport.signals_ready``)."""
+
+    def __init__(self, host: PairGroupHost, group_id: str, tag: int, deadline: float) -> None:
+        host.check(group_id, deadline)
+        self.host = host
+        self.group_id = group_id
+        self.tag = tag
+        self.deadline = deadline
+        self.completed = False
+        self._ready: PendingOp | None = None
+        self._announced: list[torch.Tensor] = []  # payloads the puller was told of, not yet sent
+        self._sends: deque[PendingOp] = deque()
+
+    def expect_ready(self, header: TransferHeader) -> None:
+        """Post the receive for the puller's ready signal before the header can reach it."""
+        if header.layer_nbytes:
+            self._ready = self.host.expect_ready(self.group_id, self.tag, self.deadline)
+
+    def announce(self, batch: BatchWriter, chunk: LayerChunk) -> None:
+        data = payload_bytes(chunk.payload)
+        batch.add([torch_chunk_message(chunk, data.numel())], data.numel())
+        self._announced.append(data)
+
+    def send_announced(self, keep: int) -> None:
+        """Start sending the announced payloads, then wait until at most ``keep`` are in
+        flight (sends on one tag arrive in order)."""
+        if self._announced and self._ready is not None:
+            self._ready.wait()
+            self._ready = None
+        for data in self._announced:
+            self._sends.append(self.host.send(self.group_id, self.tag, data, self.deadline))
+        self._announced = []
+        while len(self._sends) > keep:
+            self._sends.popleft().wait()
+
+    def end(self) -> None:
+        """The pull is over; unless it completed, discard the group (failing any wait)."""
+        if not self.completed:
+            self.host.discard(self.group_id)
 
 
 def _unary(handler: Callable[..., Any], request_type: Any) -> grpc.RpcMethodHandler:

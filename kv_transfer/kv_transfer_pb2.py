@@ -24,35 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x12tandem.kv_transfer\"\xa9\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\x12\x11\n\tpuller_id\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x01\x12.\n\x04mode\x18\x05 \x01(\x0e\x32 .tandem.kv_transfer.TransferMode\x12\x10\n\x08group_id\x18\x06 \x01(\t\x12\x0b\n\x03tag\x18\x07 \x01(\r\"I\n\x05\x43hunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"r\n\tKVMessage\x12\x10\n\x06header\x18\x01 \x01(\x0cH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.tandem.kv_transfer.ChunkH\x00\x12\x11\n\x07trailer\x18\x03 \x01(\x0cH\x00\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\x42\x06\n\x04kind\"~\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\x12\x11\n\tpuller_id\x18\x03 \x01(\t\x12\x31\n\x06reason\x18\x04 \x01(\x0e\x32!.tandem.kv_transfer.ReleaseReason\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"[\n\x10PairGroupRequest\x12\x11\n\tpuller_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"$\n\x0ePairGroupReply\x12\x12\n\nstore_port\x18\x01 \x01(\r\"\x0f\n\rHealthRequest\"\x1e\n\x0bHealthReply\x12\x0f\n\x07\x65xports\x18\x01 \x01(\r*#\n\x0cTransferMode\x12\x08\n\x04GRPC\x10\x00\x12\t\n\x05TORCH\x10\x01*o\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\t\n\x05\x41\x43KED\x10\x01\x12\x0b\n\x07\x41\x42ORTED\x10\x02\x12\x0b\n\x07\x45XPIRED\x10\x03\x12\r\n\tPEER_DEAD\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\x32\xd0\x02\n\nKVTransfer\x12H\n\x04Pull\x12\x1f.tandem.kv_transfer.PullRequest\x1a\x1d.tandem.kv_transfer.KVMessage0\x01\x12O\n\x07Release\x12\".tandem.kv_transfer.ReleaseRequest\x1a .tandem.kv_transfer.ReleaseReply\x12Y\n\rOpenPairGroup\x12$.tandem.kv_transfer.PairGroupRequest\x1a\".tandem.kv_transfer.PairGroupReply\x12L\n\x06Health\x12!.tandem.kv_transfer.HealthRequest\x1a\x1f.tandem.kv_transfer.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\x12tandem.kv_transfer\"\xa9\x01\n\x0bPullRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\x12\x11\n\tpuller_id\x18\x03 \x01(\t\x12\x10\n\x08\x64\x65\x61\x64line\x18\x04 \x01(\x01\x12.\n\x04mode\x18\x05 \x01(\x0e\x32 .tandem.kv_transfer.TransferMode\x12\x10\n\x08group_id\x18\x06 \x01(\t\x12\x0b\n\x03tag\x18\x07 \x01(\r\"I\n\x05\x43hunk\x12\r\n\x05layer\x18\x01 \x01(\r\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x11\n\tchecksums\x18\x03 \x03(\x06\x12\x0e\n\x06nbytes\x18\x04 \x01(\x04\"r\n\tKVMessage\x12\x10\n\x06header\x18\x01 \x01(\x0cH\x00\x12*\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x19.tandem.kv_transfer.ChunkH\x00\x12\x11\n\x07trailer\x18\x03 \x01(\x0cH\x00\x12\x0c\n\x04\x64\x61ta\x18\x0f \x01(\x0c\x42\x06\n\x04kind\":\n\x07KVBatch\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.tandem.kv_transfer.KVMessage\"~\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nattempt_id\x18\x02 \x01(\t\x12\x11\n\tpuller_id\x18\x03 \x01(\t\x12\x31\n\x06reason\x18\x04 \x01(\x0e\x32!.tandem.kv_transfer.ReleaseReason\" \n\x0cReleaseReply\x12\x10\n\x08released\x18\x01 \x01(\x08\"[\n\x10PairGroupRequest\x12\x11\n\tpuller_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x03 \x01(\t\x12\x11\n\ttimeout_s\x18\x04 \x01(\x01\"$\n\x0ePairGroupReply\x12\x12\n\nstore_port\x18\x01 \x01(\r\"\x0f\n\rHealthRequest\"\x1e\n\x0bHealthReply\x12\x0f\n\x07\x65xports\x18\x01 \x01(\r*#\n\x0cTransferMode\x12\x08\n\x04GRPC\x10\x00\x12\t\n\x05TORCH\x10\x01*o\n\rReleaseReason\x12\x1e\n\x1aRELEASE_REASON_UNSPECIFIED\x10\x00\x12\t\n\x05\x41\x43KED\x10\x01\x12\x0b\n\x07\x41\x42ORTED\x10\x02\x12\x0b\n\x07\x45XPIRED\x10\x03\x12\r\n\tPEER_DEAD\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\x32\xce\x02\n\nKVTransfer\x12\x46\n\x04Pull\x12\x1f.tandem.kv_transfer.PullRequest\x1a\x1b.tandem.kv_transfer.KVBatch0\x01\x12O\n\x07Release\x12\".tandem.kv_transfer.ReleaseRequest\x1a .tandem.kv_transfer.ReleaseReply\x12Y\n\rOpenPairGroup\x12$.tandem.kv_transfer.PairGroupRequest\x1a\".tandem.kv_transfer.PairGroupReply\x12L\n\x06Health\x12!.tandem.kv_transfer.HealthRequest\x1a\x1f.tandem.kv_transfer.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TRANSFERMODE']._serialized_start=746
-  _globals['_TRANSFERMODE']._serialized_end=781
-  _globals['_RELEASEREASON']._serialized_start=783
-  _globals['_RELEASEREASON']._serialized_end=894
+  _globals['_TRANSFERMODE']._serialized_start=806
+  _globals['_TRANSFERMODE']._serialized_end=841
+  _globals['_RELEASEREASON']._serialized_start=843
+  _globals['_RELEASEREASON']._serialized_end=954
   _globals['_PULLREQUEST']._serialized_start=42
   _globals['_PULLREQUEST']._serialized_end=211
   _globals['_CHUNK']._serialized_start=213
   _globals['_CHUNK']._serialized_end=286
   _globals['_KVMESSAGE']._serialized_start=288
   _globals['_KVMESSAGE']._serialized_end=402
-  _globals['_RELEASEREQUEST']._serialized_start=404
-  _globals['_RELEASEREQUEST']._serialized_end=530
-  _globals['_RELEASEREPLY']._serialized_start=532
-  _globals['_RELEASEREPLY']._serialized_end=564
-  _globals['_PAIRGROUPREQUEST']._serialized_start=566
-  _globals['_PAIRGROUPREQUEST']._serialized_end=657
-  _globals['_PAIRGROUPREPLY']._serialized_start=659
-  _globals['_PAIRGROUPREPLY']._serialized_end=695
-  _globals['_HEALTHREQUEST']._serialized_start=697
-  _globals['_HEALTHREQUEST']._serialized_end=712
-  _globals['_HEALTHREPLY']._serialized_start=714
-  _globals['_HEALTHREPLY']._serialized_end=744
-  _globals['_KVTRANSFER']._serialized_start=897
-  _globals['_KVTRANSFER']._serialized_end=1233
+  _globals['_KVBATCH']._serialized_start=404
+  _globals['_KVBATCH']._serialized_end=462
+  _globals['_RELEASEREQUEST']._serialized_start=464
+  _globals['_RELEASEREQUEST']._serialized_end=590
+  _globals['_RELEASEREPLY']._serialized_start=592
+  _globals['_RELEASEREPLY']._serialized_end=624
+  _globals['_PAIRGROUPREQUEST']._serialized_start=626
+  _globals['_PAIRGROUPREQUEST']._serialized_end=717
+  _globals['_PAIRGROUPREPLY']._serialized_start=719
+  _globals['_PAIRGROUPREPLY']._serialized_end=755
+  _globals['_HEALTHREQUEST']._serialized_start=757
+  _globals['_HEALTHREQUEST']._serialized_end=772
+  _globals['_HEALTHREPLY']._serialized_start=774
+  _globals['_HEALTHREPLY']._serialized_end=804
+  _globals['_KVTRANSFER']._serialized_start=957
+  _globals['_KVTRANSFER']._serialized_end=1291
 # @@protoc_insertion_point(module_scope)

@@ -71,6 +71,12 @@ class KVMessage(_message.Message):
     data: bytes
     def __init__(self, header: _Optional[bytes] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class KVBatch(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[KVMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[KVMessage, _Mapping]]] = ...) -> None: ...
+
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id", "attempt_id", "puller_id", "reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

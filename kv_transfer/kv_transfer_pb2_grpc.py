@@ -37,7 +37,7 @@ class KVTransferStub:
         self.Pull = channel.unary_stream(
                 '/tandem.kv_transfer.KVTransfer/Pull',
                 request_serializer=kv__transfer__pb2.PullRequest.SerializeToString,
-                response_deserializer=kv__transfer__pb2.KVMessage.FromString,
+                response_deserializer=kv__transfer__pb2.KVBatch.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/tandem.kv_transfer.KVTransfer/Release',
@@ -61,7 +61,8 @@ class KVTransferServicer:
 
     def Pull(self, request, context):
         """Stream one transfer: header, one chunk per layer (gRPC mode: split into byte ranges with
-        the data inline; torch mode: metadata only, the payload goes over the pair group), trailer.
+        the data inline; torch mode: metadata only, the payload goes over the pair group), trailer --
+        packed into batches, each holding what was ready when it left.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -94,7 +95,7 @@ def add_KVTransferServicer_to_server(servicer, server):
             'Pull': grpc.unary_stream_rpc_method_handler(
                     servicer.Pull,
                     request_deserializer=kv__transfer__pb2.PullRequest.FromString,
-                    response_serializer=kv__transfer__pb2.KVMessage.SerializeToString,
+                    response_serializer=kv__transfer__pb2.KVBatch.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -138,7 +139,7 @@ class KVTransfer:
             target,
             '/tandem.kv_transfer.KVTransfer/Pull',
             kv__transfer__pb2.PullRequest.SerializeToString,
-            kv__transfer__pb2.KVMessage.FromString,
+            kv__transfer__pb2.KVBatch.FromString,
             options,
             channel_credentials,
             insecure,

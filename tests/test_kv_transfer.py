@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 import torch
@@ -25,6 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kv_transfer import KVTransport, make_transport
+from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.errors import (
     KVFrameError,
     KVIntegrityError,
@@ -36,7 +38,14 @@ from kv_transfer.errors import (
     KVTruncatedError,
     KVUnknownTransfer,
 )
-from kv_transfer.exporter import Export, FaultAction, FaultKind, KVExportRegistry, ReleaseReason
+from kv_transfer.exporter import (
+    Export,
+    FaultAction,
+    FaultKind,
+    Frame,
+    KVExportRegistry,
+    ReleaseReason,
+)
 from kv_transfer.format import (
     KVLayout,
     LayerChunk,
@@ -54,7 +63,16 @@ from kv_transfer.format import (
     write_layer,
 )
 from kv_transfer.grpc_transport import GrpcKVClient, KVTransferServer
-from kv_transfer.wire import decode_message
+from kv_transfer.wire import (
+    CHANNEL_OPTIONS,
+    CHUNK_BYTES,
+    SERVICE,
+    BatchWriter,
+    chunk_messages,
+    decode_batch,
+    decode_message,
+    frame_message,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS, BLOCK, HEADS, HEAD_DIM = 4, 16, 4, 64
@@ -311,8 +329,32 @@ def _decodes_or_frame_error(decode: Callable[[bytes], object], data: bytes) -> N
 @settings(max_examples=300, deadline=None)
 @given(data=st.binary(max_size=200))
 def test_decoders_raise_only_frame_errors_on_random_bytes(data: bytes) -> None:
-    for decode in (decode_header, decode_trailer, decode_message):
+    for decode in (decode_header, decode_trailer, decode_message, lambda d: list(decode_batch(d))):
         _decodes_or_frame_error(decode, data)
+
+
+def test_a_hand_built_batch_is_plain_protobuf() -> None:
+    """BatchWriter's records parse with the stock protobuf parser to the same messages (the
+    payload first, the checksums on a layer's first piece), and decode_batch reads them back."""
+    payload = extract_layer(random_cache(6, torch.bfloat16), 1, [5, 0, 2])
+    chunk = LayerChunk(1, payload, block_checksums(payload))
+    batch = BatchWriter()
+    batch.add([frame_message(Frame("header", b"hdr"))])
+    pieces = list(chunk_messages(chunk, chunk_bytes=20_000))
+    for p in pieces:
+        batch.add(p, len(p[2]))
+    assert batch.payload_bytes == payload.numel() * 2 and len(pieces) == 3
+    raw = batch.take()
+    assert not batch and batch.payload_bytes == 0
+    stock = pb.KVBatch.FromString(raw).messages
+    ours = list(decode_batch(raw))
+    assert [m.WhichOneof("kind") for m, _ in ours] == ["header", "chunk", "chunk", "chunk"]
+    assert stock[0].header == b"hdr"
+    for want, (msg, data) in zip(stock[1:], ours[1:], strict=True):
+        assert bytes(data) == want.data
+        assert msg.chunk == want.chunk
+    assert list(stock[1].chunk.checksums) == chunk.checksums and not stock[2].chunk.checksums
+    assert b"".join(m.data for m in stock[1:]) == byte_view(payload).tobytes()
 
 
 @settings(max_examples=200, deadline=None)
@@ -435,6 +477,44 @@ def test_eight_concurrent_transfers_move_exact_bytes(
         assert client.release(server.address, pub.key, ReleaseReason.ACKED)
         assert pub.releases == [ReleaseReason.ACKED]
     assert len(registry) == 0
+
+
+def _raw_pull(server: KVTransferServer, pub: Published) -> list[list[str]]:
+    """Pull in gRPC mode with a bare gRPC client; the kinds of messages in each stream message."""
+    request = pb.PullRequest(
+        request_id=pub.key.request_id,
+        attempt_id=pub.key.attempt_id,
+        puller_id="raw",
+        deadline=soon(),
+        mode=pb.GRPC,
+    )
+    with grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as channel:
+        call = channel.unary_stream(f"/{SERVICE}/Pull")(request.SerializeToString(), timeout=10)
+        return [[m.WhichOneof("kind") for m, _ in decode_batch(raw)] for raw in call]
+
+
+def test_what_is_ready_goes_in_one_stream_message(
+    registry: KVExportRegistry, server: KVTransferServer
+) -> None:
+    """A computed transfer under CHUNK_BYTES: the header alone, then every layer and the trailer
+    together (a stream message costs the sync server ~1 ms of thread hand-offs)."""
+    pub = publish(registry, random_cache(8, torch.float32), [1, 5, 6])
+    assert pub.export.header.layer_nbytes * LAYERS < CHUNK_BYTES
+    assert _raw_pull(server, pub) == [["header"], ["chunk"] * LAYERS + ["trailer"]]
+
+
+def test_big_layers_go_in_chunk_sized_stream_messages(registry: KVExportRegistry) -> None:
+    pub = publish(registry, random_cache(8, torch.float32), [1, 5, 6])
+    layer = pub.export.header.layer_nbytes
+    srv = KVTransferServer(registry, chunk_bytes=layer * 2 // 3)  # each layer in two pieces
+    srv.start()
+    try:
+        # Never more than chunk_bytes of payload in a stream message: one piece each.
+        assert _raw_pull(srv, pub) == [["header"]] + [["chunk"]] * (2 * LAYERS - 1) + [
+            ["chunk", "trailer"]
+        ]
+    finally:
+        srv.stop(0)
 
 
 # Message index of layer l's chunk is l + 1 (0 is the header, LAYERS + 1 the trailer).
