@@ -33,6 +33,9 @@ from engine.kv_events import KVEvent, KVEventKind
 from engine.request import TerminalRecord
 
 logger = logging.getLogger(__name__)
+# An engine step longer than this is a hung engine, not a long prefill: the worker stops its
+# heartbeats (see EngineWorker._report_loop).
+ENGINE_SILENCE_S = 60.0
 
 
 def batch_of(out: StreamOutput) -> TokenBatch:
@@ -113,12 +116,22 @@ class EngineWorker:
         if self._changed is not None:
             self._changed.set()
 
-    async def load(self) -> WorkerLoad:
+    async def _read_state(self, resync: bool) -> tuple[WorkerLoad, list[KVEvent]]:
+        """The load and the KV events since the last read, in one engine call (it runs between
+        two steps). ``resync``: CLEARED, then everything cached now, instead of the events -- a
+        router that missed reports (its restart, ours) rebuilds this worker's index exactly
+        from it (P12)."""
+
+        def read(e: LLMEngine) -> tuple[int, int, list[KVEvent]]:
+            events = e.kv.pool.take_events()
+            if resync:  # superseded by the snapshot
+                cached = tuple(e.kv.pool.cached_hashes())
+                events = [KVEvent(KVEventKind.CLEARED), KVEvent(KVEventKind.STORED, cached)]
+            return e.scheduler.num_waiting, e.scheduler.num_running, events
+
+        queue, running, events = await self.engine.call(read)
         stats = self.engine.kv_stats()
-        queue, running = await self.engine.call(
-            lambda e: (e.scheduler.num_waiting, e.scheduler.num_running)
-        )
-        return WorkerLoad(
+        load = WorkerLoad(
             name=self.name,
             incarnation=self.incarnation,
             queue_depth=queue,
@@ -126,34 +139,44 @@ class EngineWorker:
             kv_usage=stats.in_use_blocks / stats.total_blocks,
             prefix_hit_ratio=stats.prefix_hit_ratio,
         )
-
-    async def take_kv_events(self) -> list[KVEvent]:
-        events: list[KVEvent] = await self.engine.call(lambda e: e.kv.pool.take_events())
-        return events
-
-    async def _resync_events(self) -> list[KVEvent]:
-        """CLEARED, then everything cached now: a router that missed reports (its restart,
-        ours) rebuilds this worker's index exactly from it (P12)."""
-
-        def snapshot(e: LLMEngine) -> list[KVEvent]:
-            e.kv.pool.take_events()  # superseded by the snapshot
-            cached = tuple(e.kv.pool.cached_hashes())
-            return [KVEvent(KVEventKind.CLEARED), KVEvent(KVEventKind.STORED, cached)]
-
-        events: list[KVEvent] = await self.engine.call(snapshot)
-        return events
+        return load, events
 
     async def _report_loop(self) -> None:
         """Push load and KV events to the router, as a heartbeat too. The first report, and the
-        first after a failed one, resynchronises the router's view of this worker."""
+        first after a failed one, resynchronises the router's view of this worker.
+
+        The heartbeat does not wait for the engine: a step can take seconds (a long prefill on
+        CPU), and a busy worker is not a dead one. While a read is pending the reports carry
+        the last load and no events; the read's events go with a later report, none lost. An
+        engine silent for ``ENGINE_SILENCE_S``, or dead, stops the reports, so the router's
+        heartbeat timeout finds it."""
         assert self._changed is not None
+        loop = asyncio.get_running_loop()
         resync = True
+        load: WorkerLoad | None = None
+        reading: asyncio.Task[tuple[WorkerLoad, list[KVEvent]]] | None = None
+        reading_resync, reading_since = True, 0.0
         while True:
+            if reading is None:
+                reading_resync, reading_since = resync, loop.time()
+                reading = loop.create_task(self._read_state(reading_resync))
+            await asyncio.wait({reading}, timeout=self.report_interval_s * 10)
+            events: list[KVEvent] = []
+            delivered_resync = False
+            if reading.done():
+                try:
+                    load, events = reading.result()
+                    delivered_resync = reading_resync
+                except Exception:
+                    logger.warning("%s: engine read failed", self.name, exc_info=True)
+                    load, resync = None, True
+                reading = None
+            elif loop.time() - reading_since > ENGINE_SILENCE_S:
+                load = None  # a hung engine: fall silent
             try:
-                events = await (self._resync_events() if resync else self.take_kv_events())
-                if self.router is not None:
-                    await self.router.report.remote(self.info(), await self.load(), events)
-                resync = False
+                if self.router is not None and load is not None:
+                    await self.router.report.remote(self.info(), load, events)
+                    resync = resync and not delivered_resync
             except Exception:  # the router restarting: keep trying, then resynchronise
                 logger.warning("%s: report to the router failed", self.name, exc_info=True)
                 resync = True

@@ -254,11 +254,12 @@ class TorchStreamReader(StreamReader):
         self._posted: deque[_PostedRecv] = deque()
         self._next_post = 0  # next layer to post a receive for
         self._ready: Any = None  # the "receives posted" send, until it completes
+        self._flag = torch.ones(1, dtype=torch.uint8)  # its byte, alive while it is sent
 
     def started(self, header: TransferHeader) -> None:
         self._post_ahead(header)
         if header.layer_nbytes and signals_ready(backend_for(self.device)):
-            self._ready = self.group.pg.send([torch.ones(1, dtype=torch.uint8)], 0, self.tag)
+            self._ready = self.group.pg.send([self._flag], 0, self.tag)
 
     def _post_ahead(self, header: TransferHeader) -> None:
         nbytes = header.layer_nbytes

@@ -241,6 +241,39 @@ def test_a_hung_worker_is_routed_around_its_request_migrated_then_it_rejoins(
     run(body())
 
 
+def test_a_long_engine_step_is_not_a_missed_heartbeat(
+    cluster: Cluster, colocated: LLMEngine
+) -> None:
+    """A step can take seconds (a long prefill on CPU) and a busy worker is not a dead one: a
+    prefill worker whose engine thread is inside one step for twice the heartbeat timeout keeps
+    its heartbeats, stays healthy, and its request is served by that one attempt."""
+    tokens = prompt(40, 23)
+    stall_s = 4.5  # heartbeat_timeout_s is 2.0
+
+    async def body() -> None:
+        # STALL at a prefill layer sleeps in the engine thread's layer hook: a step that long.
+        await arm(
+            cluster,
+            "prefill",
+            Fault(FaultPoint.PREFILL_LAYERS, FaultAction.STALL, at=1, attempt=1, seconds=stall_s),
+        )
+        started = time.time()
+        task = asyncio.ensure_future(collect(cluster, tokens, GREEDY))
+        unhealthy: set[str] = set()
+        while not task.done():
+            states = await cluster.router.worker_states.remote()
+            unhealthy |= {w.name for w in states if not w.healthy}
+            await asyncio.sleep(0.1)
+        assert await task == expected(colocated, tokens, GREEDY)
+        assert time.time() - started >= stall_s  # the long step was inside this request
+        record = cluster.coordinator.records[-1]
+        assert (record.attempts, record.migrations) == (1, 0)
+        assert unhealthy == set()
+        await assert_clean(cluster)
+
+    run(body())
+
+
 def test_cancel_and_deadline_races_leave_one_record_each(cluster: Cluster) -> None:
     """P8 across the cluster: clients leave and deadlines expire at staggered moments of the
     prefill, the hand-off and the decode; every request still ends with exactly one record and
