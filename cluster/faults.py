@@ -23,7 +23,10 @@ class FaultPoint(StrEnum):
 class FaultAction(StrEnum):
     CRASH = "crash"  # the worker process dies at once (os._exit): Ray sees an actor death
     RAISE = "raise"  # the operation fails with FaultInjected
-    STALL = "stall"  # sleep ``seconds`` (a slow or hung worker / link)
+    # sleep ``seconds``: at DECODE_TOKENS in the actor's event loop (a hung worker: its
+    # heartbeats stop), at PREFILL_LAYERS in the engine thread (a long step: the worker stays
+    # healthy), at TRANSFER_CHUNK in the sender (a slow link)
+    STALL = "stall"
     CORRUPT = "corrupt"  # flip bytes of the chunk (transfer only)
     TRUNCATE = "truncate"  # send part of the chunk (transfer only)
     DROP = "drop"  # skip the chunk (transfer only)

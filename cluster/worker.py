@@ -160,7 +160,7 @@ class EngineWorker:
             if reading is None:
                 reading_resync, reading_since = resync, loop.time()
                 reading = loop.create_task(self._read_state(reading_resync))
-            await asyncio.wait({reading}, timeout=self.report_interval_s * 10)
+            await asyncio.wait({reading}, timeout=self.report_interval_s * 2)
             events: list[KVEvent] = []
             delivered_resync = False
             if reading.done():
