@@ -81,6 +81,9 @@ class EngineWorker:
         self.faults = FaultPlan()
         self._changed: asyncio.Event | None = None  # created on the actor's loop
         self._reporter: asyncio.Task[None] | None = None
+        # Resyncs asked for (start, readmission, a lost or ignored report) and delivered.
+        self._resyncs_asked = 0
+        self._resyncs_done = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -88,10 +91,14 @@ class EngineWorker:
         return None
 
     async def ready(self) -> WorkerInfo:
-        """Called once after start (and after a Ray restart): starts the reporter."""
+        """Called after start, after a Ray restart, and by the router's health check when it
+        readmits this worker (having dropped its index of us): starts the reporter and asks
+        it for a resync."""
+        self._resyncs_asked += 1
         if self._reporter is None:
             self._changed = asyncio.Event()
             self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+        self._touch()  # report now: a readmitting router has no view of us
         return self.info()
 
     def info(self) -> WorkerInfo:
@@ -142,8 +149,9 @@ class EngineWorker:
         return load, events
 
     async def _report_loop(self) -> None:
-        """Push load and KV events to the router, as a heartbeat too. The first report, and the
-        first after a failed one, resynchronises the router's view of this worker.
+        """Push load and KV events to the router, as a heartbeat too. The first report, the first
+        after a readmission, and the first after a failed or ignored one resynchronise the
+        router's view of this worker.
 
         The heartbeat does not wait for the engine: a step can take seconds (a long prefill on
         CPU), and a busy worker is not a dead one. While a read is pending the reports carry
@@ -152,34 +160,38 @@ class EngineWorker:
         heartbeat timeout finds it."""
         assert self._changed is not None
         loop = asyncio.get_running_loop()
-        resync = True
         load: WorkerLoad | None = None
         reading: asyncio.Task[tuple[WorkerLoad, list[KVEvent]]] | None = None
-        reading_resync, reading_since = True, 0.0
+        reading_resync, reading_since = 0, 0.0  # the resync a pending read answers (0: none)
         while True:
             if reading is None:
-                reading_resync, reading_since = resync, loop.time()
-                reading = loop.create_task(self._read_state(reading_resync))
+                wanted = self._resyncs_asked > self._resyncs_done
+                reading_resync = self._resyncs_asked if wanted else 0
+                reading_since = loop.time()
+                reading = loop.create_task(self._read_state(resync=wanted))
             await asyncio.wait({reading}, timeout=self.report_interval_s * 2)
             events: list[KVEvent] = []
-            delivered_resync = False
+            answered = 0
             if reading.done():
                 try:
                     load, events = reading.result()
-                    delivered_resync = reading_resync
+                    answered = reading_resync
                 except Exception:
                     logger.warning("%s: engine read failed", self.name, exc_info=True)
-                    load, resync = None, True
+                    load = None
+                    self._resyncs_asked += 1
                 reading = None
             elif loop.time() - reading_since > ENGINE_SILENCE_S:
                 load = None  # a hung engine: fall silent
             try:
                 if self.router is not None and load is not None:
-                    await self.router.report.remote(self.info(), load, events)
-                    resync = resync and not delivered_resync
+                    if await self.router.report.remote(self.info(), load, events):
+                        self._resyncs_done = max(self._resyncs_done, answered)
+                    else:  # ignored while FAILED: the router's view of us starts over
+                        self._resyncs_asked += 1
             except Exception:  # the router restarting: keep trying, then resynchronise
                 logger.warning("%s: report to the router failed", self.name, exc_info=True)
-                resync = True
+                self._resyncs_asked += 1
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=self.report_interval_s * 10)

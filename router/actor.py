@@ -77,17 +77,19 @@ class RouterActor:
 
     # -- reports -------------------------------------------------------------------------------
 
-    async def report(self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent]) -> None:
+    async def report(self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent]) -> bool:
+        """Take a worker's report; False if it was ignored (an unknown worker, or a FAILED one
+        not yet readmitted by its health check), so the worker resyncs with its next one."""
         self._start_monitor()
         name = info.name
         state = self.states.get(name)
         if state is None:
-            return
+            return False
         if self.incarnations.get(name) != info.incarnation:
             self.index.drop_worker(name)  # a restarted worker: its old cache is gone
             self.incarnations[name] = info.incarnation
         if not state.healthy and name in self._checking:
-            return  # failed: it rejoins through the health check
+            return False  # failed: it rejoins through the health check
         self.index.apply(name, events)
         state.block_size = info.block_size
         self.last_seen[name] = time.time()
@@ -96,6 +98,7 @@ class RouterActor:
         state.num_running = load.num_running
         state.kv_usage = load.kv_usage
         state.prefix_hit_ratio = load.prefix_hit_ratio
+        return True
 
     async def worker_failed(self, name: str) -> None:
         """The coordinator saw ``name`` die (actor death, transport UNAVAILABLE)."""

@@ -304,39 +304,62 @@ def test_cancel_and_deadline_races_leave_one_record_each(cluster: Cluster) -> No
     run(body())
 
 
+async def prefill_hits(c: Cluster, tokens: list[int]) -> dict[str, int]:
+    """Serve ``tokens``; the prefix-cache hits the router credited each prefill candidate."""
+    await collect(c, tokens, GREEDY)
+    last = (await c.router.decisions.remote())[-1]
+    return {x["name"]: x["hit_blocks"] for x in last["candidates"] if x["role"] == "prefill"}
+
+
+async def settle(c: Cluster) -> None:
+    """The workers' reports reach the router, and it sees every worker healthy."""
+    await asyncio.sleep(0.5)
+    while True:
+        try:
+            if all(w.healthy for w in await c.router.worker_states.remote()):
+                return
+        except ActorUnavailableError:  # the router itself is restarting
+            pass
+        await asyncio.sleep(0.1)
+
+
 def test_router_view_recovers_after_worker_and_router_restarts(cluster: Cluster) -> None:
     """P12: a restarted worker's cache gets no credit; a restarted router rebuilds the index
     from the workers' resyncs (it credits cache that is there, exactly)."""
     base = prompt(64, 55)
 
-    async def hits_after(tail: int) -> dict[str, int]:
-        await collect(cluster, base + [tail], GREEDY)
-        last = (await cluster.router.decisions.remote())[-1]
-        return {c["name"]: c["hit_blocks"] for c in last["candidates"] if c["role"] == "prefill"}
-
-    async def settle() -> None:
-        await asyncio.sleep(0.5)  # the reports reach the router
-        while True:
-            try:
-                if all(w.healthy for w in await cluster.router.worker_states.remote()):
-                    return
-            except ActorUnavailableError:  # the router itself is restarting
-                pass
-            await asyncio.sleep(0.1)
-
     async def body() -> None:
         await collect(cluster, base + [1], GREEDY)
-        await settle()
+        await settle(cluster)
         holder = (await cluster.router.decisions.remote())[-1]["prefill"]
         ray.kill(cluster.router, no_restart=False)  # Ray restarts it, empty
-        await settle()
-        hits = await hits_after(2)
+        await settle(cluster)
+        hits = await prefill_hits(cluster, base + [2])
         assert hits[holder] == 4  # rebuilt from the holder's resync
         ray.kill(cluster.workers[holder], no_restart=False)
         await assert_clean(cluster)
-        await settle()
-        hits = await hits_after(3)
+        await settle(cluster)
+        hits = await prefill_hits(cluster, base + [3])
         assert hits[holder] == 0  # its cache died with it: no credit
+        await assert_clean(cluster)
+
+    run(body())
+
+
+def test_a_readmitted_worker_gets_its_cache_credited_again(cluster: Cluster) -> None:
+    """P12 on a false alarm: a live worker the router marked FAILED (reported dead, or its
+    heartbeats late) loses its index entries, and its reports are ignored until the health
+    check readmits it; it then resyncs, so the cache it still holds is credited exactly."""
+    base = prompt(64, 57)
+
+    async def body() -> None:
+        await collect(cluster, base + [1], GREEDY)
+        await settle(cluster)
+        holder = (await cluster.router.decisions.remote())[-1]["prefill"]
+        await cluster.router.worker_failed.remote(holder)
+        await settle(cluster)  # readmitted by the health check
+        hits = await prefill_hits(cluster, base + [2])
+        assert hits[holder] == 4
         await assert_clean(cluster)
 
     run(body())
