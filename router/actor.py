@@ -5,9 +5,10 @@ prefill/decode pair per attempt (router/policy.py) over an exact prefix index
 What it knows comes from the workers' reports (load + KV events, pushed after every change and
 as a heartbeat) and from the coordinator (``worker_failed``). A worker is FAILED when it is
 reported dead or falls silent for ``heartbeat_timeout_s``: its index entries are dropped at
-once (no credit for cache that is gone, P12) and it gets no traffic until a health check
-(``ready()`` on its actor, which Ray restarts) answers; its first report then starts from an
-empty index (CLEARED). A restarted router starts empty and rebuilds from the reports.
+once (no credit for cache that is gone, P12), its reports are ignored, and it gets no traffic
+until a health check (``ready()`` on its actor, which Ray restarts) answers; ``ready()`` makes
+the worker resync (CLEARED, then all it holds), so a false alarm costs no credit for cache
+that is still there. A restarted router starts empty and rebuilds from the resyncs.
 """
 
 from __future__ import annotations
