@@ -234,7 +234,12 @@ class TorchStreamReader(StreamReader):
     Receives are posted as soon as the header is in (layer sizes are known from it), up to
     ``RECV_AHEAD_BYTES`` ahead, and then (gloo) the sender is told so with a one-byte send on the
     pull's tag, which its payloads wait for. A layer's bytes are used only once its
-    announcement is checked."""
+    announcement is checked.
+
+    Posting can fail when the sender already gave the group up (it aborted the transfer right
+    after the header): the failure is kept, and the stream goes on to say why (an abort status
+    is a :class:`KVTransferAborted`); only a layer whose receive was never posted fails the pull
+    as a transport error."""
 
     def __init__(
         self,
@@ -255,13 +260,23 @@ class TorchStreamReader(StreamReader):
         self._next_post = 0  # next layer to post a receive for
         self._ready: Any = None  # the "receives posted" send, until it completes
         self._flag = torch.ones(1, dtype=torch.uint8)  # its byte, alive while it is sent
+        self._broken: RuntimeError | None = None  # why posting on the group failed
 
     def started(self, header: TransferHeader) -> None:
         self._post_ahead(header)
-        if header.layer_nbytes and signals_ready(backend_for(self.device)):
-            self._ready = self.group.pg.send([self._flag], 0, self.tag)
+        if self._broken is None and header.layer_nbytes and signals_ready(backend_for(self.device)):
+            try:
+                self._ready = self.group.pg.send([self._flag], 0, self.tag)
+            except RuntimeError as e:
+                self._broken = e
 
     def _post_ahead(self, header: TransferHeader) -> None:
+        try:
+            self._post_some(header)
+        except RuntimeError as e:
+            self._broken = e
+
+    def _post_some(self, header: TransferHeader) -> None:
         nbytes = header.layer_nbytes
         while self._next_post < header.layout.num_layers and (
             not self._posted or len(self._posted) * nbytes < RECV_AHEAD_BYTES
@@ -287,6 +302,10 @@ class TorchStreamReader(StreamReader):
         if self._ready is not None:  # done once the sender took it, before its first payload
             self._wait(self._ready, "the ready signal")
             self._ready = None
+        if not self._posted:  # only when posting failed
+            raise KVPeerUnavailable(
+                f"transfer {self.key}: pair group {self.group.group_id} failed: {self._broken}"
+            ) from self._broken
         recv = self._posted.popleft()
         if recv.work is not None:
             self._wait(recv.work, f"layer {chunk.layer}")

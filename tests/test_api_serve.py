@@ -346,17 +346,24 @@ def test_dropped_streams_free_their_kv(server: str) -> None:
         r = requests.post(
             f"{server}/v1/completions", json=body, headers=headers, timeout=60, stream=True
         )
-        for seen, _ in enumerate(r.iter_lines(), 1):
-            if seen >= n:
-                break
-        r.raw._fp.fp.raw._sock.shutdown(socket.SHUT_RDWR)  # hang up mid-stream
-        r.close()
+        try:
+            assert r.status_code == 200, r.text
+            lines = (line for line in r.iter_lines() if line)
+            for _ in range(n):
+                assert next(lines).startswith(b"data: {")
+            r.raw._fp.fp.raw._sock.shutdown(socket.SHUT_RDWR)  # hang up mid-stream
+        except BaseException as e:  # a thread's failure is the test's
+            failures.append(e)
+        finally:
+            r.close()
 
+    failures: list[BaseException] = []
     threads = [threading.Thread(target=drop_after, args=(n,)) for n in (1, 3, 6, 10)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    assert not failures, failures
     workers_idle()
 
 

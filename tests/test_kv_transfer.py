@@ -63,6 +63,7 @@ from kv_transfer.format import (
     write_layer,
 )
 from kv_transfer.grpc_transport import GrpcKVClient, KVTransferServer
+from kv_transfer.torch_transport import TorchStreamReader
 from kv_transfer.wire import (
     CHANNEL_OPTIONS,
     CHUNK_BYTES,
@@ -595,6 +596,46 @@ def test_abort_at_every_point_releases_once(
     registry.fault_hook = None
     with pytest.raises(KVUnknownTransfer):  # and the transfer is gone for good
         client.pull(server.address, pub.key, pub.layout, Recorder(), soon())
+
+
+def test_an_abort_that_tears_the_group_down_before_the_receives_are_posted(
+    registry: KVExportRegistry, server: KVTransferServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Torch mode, abort right after the header: the sender discards its pair group, possibly
+    before the puller has posted its receives (a race CI hit: posting then raised gloo's
+    "connection closed"). The pull still ends as the abort the stream reports."""
+    started = TorchStreamReader.started
+
+    def late(self: TorchStreamReader, header: TransferHeader) -> None:
+        pairs = server._pairs
+        assert pairs is not None
+        if header.key == pub.key:
+            until = time.time() + 10
+            while self.group.group_id in pairs._groups and time.time() < until:
+                time.sleep(0.01)
+            time.sleep(0.3)  # and the teardown has reached this end
+        started(self, header)
+
+    monkeypatch.setattr(TorchStreamReader, "started", late)
+    pub = publish(registry, random_cache(8, torch.bfloat16), [7, 0, 3])
+
+    def abort_after_header(key: TransferKey, i: int) -> None:
+        if i == 1:
+            registry.release(key, ReleaseReason.ABORTED)
+
+    registry.fault_hook = abort_after_header
+    client = make_transport("torch", puller_id="decode-0")
+    try:
+        with pytest.raises(KVTransferAborted):
+            client.pull(server.address, pub.key, pub.layout, Recorder(), soon())
+        assert pub.releases == [ReleaseReason.ABORTED] and len(registry) == 0
+        registry.fault_hook = None  # and the client's next pull (on a new group) works
+        again = publish(registry, random_cache(8, torch.bfloat16, seed=1), [1, 2], "req-2")
+        sink = Recorder()
+        client.pull(server.address, again.key, again.layout, sink, soon())
+        sink.assert_only_good(again, LAYERS)
+    finally:
+        client.close()
 
 
 def test_abort_after_the_trailer_before_the_ack(
