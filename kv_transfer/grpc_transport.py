@@ -134,7 +134,9 @@ class KVTransferServer:
                 done.set()
                 export.wake()
                 if pair is not None:
-                    pair.end()  # a wait for the puller's ready signal or a send fails now
+                    # Discard the group. Waits on it fail at once on NCCL; on gloo they fail once
+                    # the puller's end is gone (a cancelled pull discards it), else by deadline.
+                    pair.end()
 
             context.add_callback(on_done)
             for index, item in self.registry.stream(export, deadline, done.is_set):

@@ -134,7 +134,9 @@ class PairGroupHost:
         arrive in order, so a pull may keep a few in flight while it reads the next layers."""
         entry = self._ready(group_id, deadline)
         data = payload_bytes(payload)
-        work = entry.pg.send([data], 1, tag) if data.numel() else None
+        work = (
+            self._start(group_id, entry, "send", entry.pg.send, data, tag) if data.numel() else None
+        )
         return PendingOp(self, group_id, entry, work, data, deadline, "send")
 
     def expect_ready(self, group_id: str, tag: int, deadline: float) -> PendingOp | None:
@@ -144,8 +146,19 @@ class PairGroupHost:
         if not signals_ready(entry.backend):
             return None
         flag = torch.zeros(1, dtype=torch.uint8)
-        work = entry.pg.recv([flag], 1, tag)
+        work = self._start(group_id, entry, "ready signal", entry.pg.recv, flag, tag)
         return PendingOp(self, group_id, entry, work, flag, deadline, "ready signal")
+
+    def _start(
+        self, group_id: str, entry: _HostedGroup, what: str, op: Any, data: Tensor, tag: int
+    ) -> Any:
+        """Post one op to the puller (rank 1); a group the puller already tore down raises
+        there, and is then discarded like a failed wait (:meth:`PendingOp.wait`)."""
+        try:
+            return op([data], 1, tag)
+        except RuntimeError as e:
+            self._drop(group_id, entry)
+            raise KVPeerUnavailable(f"pair group {group_id}: {what} failed: {e}") from e
 
     def check(self, group_id: str, deadline: float) -> None:
         """Raise :class:`KVPeerUnavailable` unless ``group_id`` is (or becomes) usable."""
@@ -208,7 +221,9 @@ class PendingOp:
 
 
 def _abort(pg: Any) -> None:
-    """Tear a group down so the peer's pending ops fail now instead of at their timeout."""
+    """Give a discarded group up. On NCCL the abort fails both ends' pending ops now. On gloo
+    (torch 2.13, measured) abort leaves the pair open: it closes, failing the peer's pending
+    ops, once the group's last reference goes; until then waits end at their deadlines."""
     if pg is not None:
         with contextlib.suppress(RuntimeError):
             pg.abort()

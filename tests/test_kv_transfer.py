@@ -6,6 +6,7 @@ that went through float anywhere would change them."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import shutil
@@ -63,7 +64,7 @@ from kv_transfer.format import (
     write_layer,
 )
 from kv_transfer.grpc_transport import GrpcKVClient, KVTransferServer
-from kv_transfer.torch_transport import TorchStreamReader
+from kv_transfer.torch_transport import TorchKVClient, TorchStreamReader
 from kv_transfer.wire import (
     CHANNEL_OPTIONS,
     CHUNK_BYTES,
@@ -636,6 +637,26 @@ def test_an_abort_that_tears_the_group_down_before_the_receives_are_posted(
         sink.assert_only_good(again, LAYERS)
     finally:
         client.close()
+
+
+def test_a_send_to_a_group_the_puller_tore_down_is_a_peer_error(server: KVTransferServer) -> None:
+    """The sender's side of the race above: posting the ready-signal receive (or a send) on a
+    group the puller already gave up can raise in gloo; the host turns that into
+    :class:`KVPeerUnavailable` and drops the group, as a failed wait does."""
+    client = make_transport("torch", puller_id="decode-0")
+    assert isinstance(client, TorchKVClient)
+    group_id = client._group(server.address, soon()).group_id
+    pairs = server._pairs
+    assert pairs is not None
+    pairs.check(group_id, soon())  # formed on both ends
+    client.close()  # the puller tears its end down (its last reference: gloo closes the pair)
+    gc.collect()
+    time.sleep(0.3)  # and the sender's end has seen it
+    with pytest.raises(KVPeerUnavailable):  # gloo raises posting a receive on a closed pair
+        pairs.expect_ready(group_id, 1, soon())
+    assert group_id not in pairs._groups
+    with pytest.raises(KVPeerUnavailable):  # and it stays unusable
+        pairs.send(group_id, 1, torch.ones(1024), soon())
 
 
 def test_abort_after_the_trailer_before_the_ack(
