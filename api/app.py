@@ -20,6 +20,7 @@ their attempts on the workers: the KV is freed within a scheduler tick.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -378,14 +379,20 @@ class Service:
             )
             timing = _Timing(self.metrics, job, index)
             try:
-                async for delta in self.coordinator.generate(spec):
-                    timing.emitted(delta)
-                    await ready.put((index, delta))
+                # Closed on the way out, so a cancelled choice's CANCELLED record is in by
+                # the time it is observed (its generator may sit at a yield, not at an await).
+                async with contextlib.aclosing(self.coordinator.generate(spec)) as deltas:
+                    async for delta in deltas:
+                        timing.emitted(delta)
+                        await ready.put((index, delta))
                 timing.done(self.coordinator)
                 await ready.put((index, None))
             except Exception as exc:
                 timing.done(self.coordinator)
                 await ready.put((index, exc))
+            except asyncio.CancelledError:  # the client went away: one record all the same
+                timing.done(self.coordinator)
+                raise
 
         tasks = [asyncio.ensure_future(run_choice(i)) for i in range(len(job.prompts))]
         try:

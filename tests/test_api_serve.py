@@ -8,6 +8,7 @@ transformers); pools are checked back at baseline after cancellations.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -332,13 +333,22 @@ def test_rejected_requests_change_nothing(server: str) -> None:
 
 
 def test_dropped_streams_free_their_kv(server: str) -> None:
-    """Clients that hang up mid-stream cancel their requests: every pool is back at baseline."""
+    """Clients that hang up mid-stream cancel their requests (each ends CANCELLED, long before
+    its 1000 tokens): every pool is back at baseline."""
+
+    def cancelled() -> float:
+        text = requests.get(f"{server}/metrics", timeout=10).text
+        return sum(
+            float(line.split()[-1])
+            for line in text.splitlines()
+            if line.startswith("tandem_requests_total{") and 'status="cancelled"' in line
+        )
 
     def drop_after(n: int) -> None:
         body = {
             "model": MODEL,
             "prompt": f"drop {n}",
-            "max_tokens": 300,
+            "max_tokens": 1000,  # four fit in the KV cache at once
             "stream": True,
             "ignore_eos": True,
         }
@@ -348,6 +358,7 @@ def test_dropped_streams_free_their_kv(server: str) -> None:
         )
         try:
             assert r.status_code == 200, r.text
+            sock = r.raw._fp.fp.raw._sock  # before reading: leaving the loop below may close it
             events = []
             for line in r.iter_lines():
                 if line:
@@ -355,12 +366,14 @@ def test_dropped_streams_free_their_kv(server: str) -> None:
                 if len(events) == n:
                     break
             assert len(events) == n and b"error" not in b"".join(events), events
-            r.raw._fp.fp.raw._sock.shutdown(socket.SHUT_RDWR)  # hang up mid-stream
+            with contextlib.suppress(OSError):  # closed already: that was the hang-up
+                sock.shutdown(socket.SHUT_RDWR)  # hang up mid-stream
         except BaseException as e:  # a thread's failure is the test's
             failures.append(e)
         finally:
             r.close()
 
+    before = cancelled()
     failures: list[BaseException] = []
     threads = [threading.Thread(target=drop_after, args=(n,)) for n in (1, 3, 6, 10)]
     for t in threads:
@@ -369,6 +382,14 @@ def test_dropped_streams_free_their_kv(server: str) -> None:
         t.join()
     assert not failures, failures
     workers_idle()
+    until = time.time() + 10  # the ingress records a request once its cancellation is done
+    while cancelled() < before + 4 and time.time() < until:
+        time.sleep(0.1)
+    assert cancelled() == before + 4, [
+        line
+        for line in requests.get(f"{server}/metrics", timeout=10).text.splitlines()
+        if line.startswith("tandem_requests_total")
+    ]
 
 
 def test_a_request_past_its_timeout_gets_a_typed_error(server: str) -> None:
