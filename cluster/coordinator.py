@@ -34,6 +34,7 @@ from cluster.retry import Exclusions, RetriesExhausted, RetryBudget, RetryPolicy
 from engine.detokenizer import TextStream
 from engine.engine import RequestRejected
 from engine.kv_cache_manager import prefix_hashes
+from engine.request import RecordLog
 from engine.sampler import SamplingSnapshot, TokenLogprobs
 from engine.tokenizer import Tokenizer
 from router.policy import NoReplicaAvailable, RouteRequest
@@ -152,7 +153,7 @@ class Coordinator:
         self.model_id = model_id
         self.budget = RetryBudget(retry)
         self.transport = transport
-        self.records: list[ClientRecord] = []
+        self.records: RecordLog[ClientRecord] = RecordLog()  # the latest, bounded
         self._health = _HealthWatch(router)
 
     # -- the client API ------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from typing import Any
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestRejected, StreamOutput
 from engine.kv_cache_manager import KVStats
-from engine.request import Request, TerminalRecord
+from engine.request import RecordLog, Request, TerminalRecord
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -211,7 +211,8 @@ class AsyncLLMEngine:
         # Published by the engine thread after every tick, read by anyone.
         self._snap_lock = threading.Lock()
         self._kv_stats = engine.kv.stats()
-        self._records = list(engine.scheduler.records)
+        self._records: RecordLog[TerminalRecord] = RecordLog()
+        self._records_seen = 0  # scheduler records copied into _records
         self._bp = BackpressureStats(0, 0, 0)
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         self._thread.start()
@@ -346,7 +347,7 @@ class AsyncLLMEngine:
             return self._kv_stats
 
     def records(self) -> list[TerminalRecord]:
-        """Terminal records written so far, in order (a copy)."""
+        """The latest terminal records (up to ``RECORDS_KEPT``), in order (a copy)."""
         with self._snap_lock:
             return list(self._records)
 
@@ -541,9 +542,11 @@ class AsyncLLMEngine:
     def _publish(self) -> None:
         stats = self.engine.kv.stats()
         records = self.engine.scheduler.records
+        fresh, self._records_seen = records.since(self._records_seen), records.total
         with self._snap_lock:
             self._kv_stats = stats
-            self._records.extend(records[len(self._records) :])
+            for record in fresh:
+                self._records.append(record)
 
     def _terminate(self, reason: str, cause: Exception | None) -> None:
         """Fail every request (§1.7 FAILED, through the one reclaim path) and every stream."""

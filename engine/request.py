@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import enum
 import time
+from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar, overload
 
 from engine.sampling_params import SamplingParams
 
@@ -157,6 +160,45 @@ class TerminalRecord:
     finished: float
     error: str | None = None
     queue_time_s: float | None = None  # queued -> first scheduled; None if never scheduled
+
+
+R = TypeVar("R")
+RECORDS_KEPT = 10_000
+
+
+class RecordLog(Generic[R]):
+    """The latest terminal records, oldest first, bounded: a long-running server keeps only
+    the last ``keep`` (every record also went to its log line / metrics when it was written).
+    ``total`` counts every record ever appended, a cursor for readers that copy new ones."""
+
+    def __init__(self, keep: int | None = None) -> None:
+        self._items: deque[R] = deque(maxlen=RECORDS_KEPT if keep is None else keep)
+        self.total = 0
+
+    def append(self, record: R) -> None:
+        self._items.append(record)
+        self.total += 1
+
+    def since(self, seen_total: int) -> list[R]:
+        """The records appended after the first ``seen_total`` (those still kept)."""
+        n = min(self.total - seen_total, len(self._items))
+        return list(self._items)[len(self._items) - n :] if n > 0 else []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __iter__(self) -> Iterator[R]:
+        return iter(self._items)
+
+    def __reversed__(self) -> Iterator[R]:
+        return reversed(self._items)
+
+    @overload
+    def __getitem__(self, key: int) -> R: ...
+    @overload
+    def __getitem__(self, key: slice) -> list[R]: ...
+    def __getitem__(self, key: int | slice) -> R | list[R]:
+        return self._items[key] if isinstance(key, int) else list(self._items)[key]
 
 
 @dataclass(eq=False)  # identity: queues test membership, and field-wise == would be O(tokens)

@@ -24,7 +24,7 @@ from engine.admission import Admission, AdmissionResult
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, token_slice
-from engine.request import FinishReason, Request, RequestStatus, TerminalRecord
+from engine.request import FinishReason, RecordLog, Request, RequestStatus, TerminalRecord
 
 S = RequestStatus
 
@@ -44,7 +44,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.clock = clock
         self.admission = Admission(config, kv, max_model_len)
-        self.records: list[TerminalRecord] = []
+        self.records: RecordLog[TerminalRecord] = RecordLog()
         self._requests: dict[str, Request] = {}  # every request not yet reclaimed
         self._waiting: list[Request] = []
         self._swapped: list[Request] = []

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from helpers import assert_engine_clean
 
+from engine import request as engine_request
 from engine.async_engine import AsyncLLMEngine, BackpressureStats, EngineDeadError
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestRejected, StreamOutput
@@ -126,6 +127,26 @@ def test_concurrent_staggered_streams_match_offline(engine: LLMEngine, test_llam
         assert by_sample(outs) == exp
     assert [len(s) for s in expected] == [1] * 7 + [2]
     assert_engine_clean(engine)
+
+
+def test_a_long_running_engine_keeps_only_the_latest_records(
+    test_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every request writes a terminal record; a server keeps the latest RECORDS_KEPT of them
+    (in the scheduler and in the published copy), not one per request forever."""
+    monkeypatch.setattr(engine_request, "RECORDS_KEPT", 3)
+    engine = LLMEngine.from_checkpoint(test_llama, CONFIG)
+
+    async def main() -> list[TerminalRecord]:
+        async with AsyncLLMEngine(engine) as aengine:
+            for i in range(7):
+                await collect(aengine.generate([1, 2, 3], greedy(2), request_id=f"q{i}"))
+            await aengine.wait_idle()
+            return aengine.records()
+
+    records = run(main())
+    assert [r.request_id for r in records] == ["q4", "q5", "q6"]
+    assert engine.scheduler.records.total == 7 and len(engine.scheduler.records) == 3
 
 
 def test_cancellation_frees_kv_within_a_tick(engine: LLMEngine) -> None:

@@ -12,6 +12,7 @@ from engine.request import (
     ALLOWED_TRANSITIONS,
     FinishReason,
     IllegalTransition,
+    RecordLog,
     Request,
     RequestStatus,
 )
@@ -144,3 +145,12 @@ def test_random_walks_along_allowed_edges_never_raise(choices: list[int]) -> Non
             break
         req.transition(exits[choice % len(exits)])
     assert req.status.is_terminal == (not ALLOWED_TRANSITIONS[req.status])
+
+
+def test_the_record_log_keeps_the_latest_and_counts_every_one() -> None:
+    log: RecordLog[int] = RecordLog(keep=3)
+    for i in range(5):
+        log.append(i)
+    assert list(log) == [2, 3, 4] and len(log) == 3 and log.total == 5
+    assert log.since(3) == [3, 4] and log.since(0) == [2, 3, 4] and log.since(5) == []
+    assert log[-1] == 4 and log[-2:] == [3, 4] and list(reversed(log)) == [4, 3, 2]
