@@ -51,12 +51,18 @@ class AttemptFailed(RuntimeError):
     """One attempt could not go on; ``worker`` (if known) is the one to blame."""
 
     def __init__(
-        self, message: str, worker: str | None = None, dead: bool = False, rejected: bool = False
+        self,
+        message: str,
+        worker: str | None = None,
+        dead: bool = False,
+        rejected: bool = False,
+        no_replica: bool = False,
     ) -> None:
         super().__init__(message)
         self.worker = worker
         self.dead = dead  # the worker itself is gone (tell the router)
         self.rejected = rejected  # its engine's admission refused the request (no KV room)
+        self.no_replica = no_replica  # the router had no replica left outside the exclusions
 
 
 @dataclass
@@ -170,6 +176,7 @@ class Coordinator:
         attempts = migrations = 0
         exclusions = Exclusions()
         status, error = "failed", None
+        refused = False  # some replica's admission refused it (and is excluded since)
         try:
             while True:
                 attempts += 1
@@ -182,6 +189,9 @@ class Coordinator:
                     return
                 except AttemptFailed as exc:
                     logger.warning("%s failed: %s", attempt.attempt_id, exc)
+                    # No room: refused here, or no replica left but those that refused it.
+                    no_room = exc.rejected or (exc.no_replica and refused)
+                    refused = refused or exc.rejected
                     if exc.worker is not None:
                         info = self.infos.get(exc.worker)
                         domain = info.domain if info and exc.dead else None
@@ -194,7 +204,7 @@ class Coordinator:
                         if why == "deadline passed":
                             status = "timed_out"
                         raise RetriesExhausted(
-                            spec.request_id, why, attempts, str(exc), rejected=exc.rejected
+                            spec.request_id, why, attempts, str(exc), rejected=no_room
                         ) from exc
                     await asyncio.sleep(self.budget.policy.backoff_s)
         except (asyncio.CancelledError, GeneratorExit):
@@ -275,7 +285,8 @@ class Coordinator:
             try:
                 return await self.router.choose.remote(route)
             except NoReplicaAvailable as exc:
-                raise AttemptFailed(f"no replica: {exc}") from exc
+                why = getattr(exc, "cause", exc)  # the router's message, not Ray's traceback
+                raise AttemptFailed(f"no replica: {why}", no_replica=True) from exc
             except RayActorError as exc:
                 if time.time() >= give_up:
                     raise AttemptFailed(f"router unavailable: {exc}") from exc

@@ -26,7 +26,7 @@ class RetriesExhausted(RuntimeError):
         self.why = why
         self.attempts = attempts
         self.cause = cause
-        self.rejected = rejected  # the last attempt was refused by an engine's admission
+        self.rejected = rejected  # it ended for want of KV room (an engine's admission)
 
     def __reduce__(self) -> tuple[Any, ...]:  # keeps its fields across Ray and pickling
         return (type(self), (self.request_id, self.why, self.attempts, self.cause, self.rejected))

@@ -168,8 +168,9 @@ RECORDS_KEPT = 10_000
 
 class RecordLog(Generic[R]):
     """The latest terminal records, oldest first, bounded: a long-running server keeps only
-    the last ``keep`` (every record also went to its log line / metrics when it was written).
-    ``total`` counts every record ever appended, a cursor for readers that copy new ones."""
+    the last ``keep`` (the ingress counts and logs each request's record as it ends; these
+    are for inspection). ``total`` counts every record ever appended: a cursor for readers
+    that copy the new ones."""
 
     def __init__(self, keep: int | None = None) -> None:
         self._items: deque[R] = deque(maxlen=RECORDS_KEPT if keep is None else keep)

@@ -1,10 +1,12 @@
 """The cluster's other shapes on the same Ray session (after test_cluster.py's cluster is gone):
 colocated only (the baseline), torch.distributed (gloo) KV transport with local prefill of
-short prompts, a herding guard that spreads a hot prefix, and a client that leaves mid-stream."""
+short prompts, a herding guard that spreads a hot prefix, a client that leaves mid-stream, and
+a request no decode worker has room for."""
 
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
@@ -16,6 +18,7 @@ from test_cluster import ENGINE, GREEDY, SEEDED, assert_clean, collect, expected
 
 from cluster.launch import Cluster, start_cluster
 from cluster.messages import RequestSpec
+from cluster.retry import RetriesExhausted
 from cluster.topology import Topology
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -37,6 +40,16 @@ pools:
   decode: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
 transport: torch
 router: {{local_prefill_max_tokens: 8, herding_guard: 1}}
+"""
+
+# The decode worker's pool holds 64 blocks (1024 tokens of test-llama, 8 KiB a block).
+SMALL_DECODE = """
+model: {{path: {path}, name: test-llama}}
+pools:
+  prefill: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
+  decode: {{replicas: 1, num_cpus: 0.5, engine: {{kv_cache_bytes: 524288}}}}
+router: {{local_prefill_max_tokens: 0}}
+retry: {{max_attempts: 3, budget_ratio: 1.0, backoff_s: 0.0}}
 """
 
 
@@ -105,4 +118,25 @@ def test_torch_transport_local_prefill_herding_and_cancel(
         await assert_clean(c)
 
     with launch(TORCH, test_llama) as c:
+        run(body(c))
+
+
+def test_a_request_no_decode_worker_has_room_for_ends_as_a_capacity_rejection(
+    ray_session: None, test_llama: Path
+) -> None:
+    """The decode worker refuses a prompt its pool cannot hold (phase 2) and is excluded; the
+    retries then find no replica. The request ends ``rejected`` (the API's 503 kv_capacity),
+    not as a generic failure, and the prefill worker's lease is given back."""
+
+    async def body(c: Cluster) -> None:
+        with pytest.raises(RetriesExhausted) as info:
+            await collect(c, prompt(1100), GREEDY)
+        assert info.value.rejected and info.value.attempts == 3, info.value
+        cause = info.value.cause  # the router's own words, not a Ray traceback
+        assert re.fullmatch(
+            r"no replica: no decode replica for request '\w+@3': decode-0 excluded", cause
+        )
+        await assert_clean(c)
+
+    with launch(SMALL_DECODE, test_llama) as c:
         run(body(c))
