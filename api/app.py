@@ -9,10 +9,15 @@ context limit, run each choice through the cluster's coordinator, answer or stre
              reservation; a rejection there is a retry elsewhere, then a typed error)
          ──> JSON, or SSE chunks through a bounded per-request queue
 
-Backpressure: a client that reads slowly stops pulling the SSE generator; the choices' tasks
-then block on the bounded queue, stop pulling the coordinator, the worker's Ray stream stops
-after a few batches (``_generator_backpressure_num_objects``) and the engine pauses the request
-(BACKPRESSURED) once its own bounded buffer fills. Memory stays bounded at every hop.
+Backpressure: when the SSE generator is not pulled, the choices' tasks block on the bounded
+queue, stop pulling the coordinator, the worker's Ray stream stops after a few batches
+(``_generator_backpressure_num_objects``) and the engine pauses the request (BACKPRESSURED) once
+its own bounded buffer fills. Ray Serve (2.60) does not carry a slow HTTP reader back to that
+generator, though: the replica's ASGI ``send`` never blocks (a deque the replica drains into a
+Ray stream to the proxy that has no backpressure), so the generator is pulled as fast as it
+produces and a slow reader's chunks wait in the proxy -- at most ``max_tokens`` of them, so
+bounded per request by the context limit, not by a buffer. Callers of the coordinator itself
+get BACKPRESSURED as described (tests/test_cluster.py).
 A client that disconnects cancels the SSE generator, which cancels its choices, which cancel
 their attempts on the workers: the KV is freed within a scheduler tick.
 """
