@@ -20,6 +20,7 @@ Terminal records are written by the one reclaim routine (``Scheduler.reclaim``).
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -182,8 +183,8 @@ class RecordLog(Generic[R]):
 
     def since(self, seen_total: int) -> list[R]:
         """The records appended after the first ``seen_total`` (those still kept)."""
-        n = min(self.total - seen_total, len(self._items))
-        return list(self._items)[len(self._items) - n :] if n > 0 else []
+        n = max(0, min(self.total - seen_total, len(self._items)))
+        return list(itertools.islice(reversed(self._items), n))[::-1]
 
     def __len__(self) -> int:
         return len(self._items)
