@@ -383,6 +383,7 @@ class Service:
                 arrival_time=job.arrival,
             )
             timing = _Timing(self.metrics, job, index)
+            outcome: Exception | None = None  # None: the choice finished
             try:
                 # Closed on the way out, so a cancelled choice's CANCELLED record is in by
                 # the time it is observed (its generator may sit at a yield, not at an await).
@@ -390,14 +391,11 @@ class Service:
                     async for delta in deltas:
                         timing.emitted(delta)
                         await ready.put((index, delta))
-                timing.done(self.coordinator)
-                await ready.put((index, None))
             except Exception as exc:
+                outcome = exc
+            finally:  # one record per choice, a cancelled one (the client went away) too
                 timing.done(self.coordinator)
-                await ready.put((index, exc))
-            except asyncio.CancelledError:  # the client went away: one record all the same
-                timing.done(self.coordinator)
-                raise
+            await ready.put((index, outcome))
 
         tasks = [asyncio.ensure_future(run_choice(i)) for i in range(len(job.prompts))]
         try:
