@@ -12,12 +12,11 @@ context limit, run each choice through the cluster's coordinator, answer or stre
 Backpressure: when the SSE generator is not pulled, the choices' tasks block on the bounded
 queue, stop pulling the coordinator, the worker's Ray stream stops after a few batches
 (``_generator_backpressure_num_objects``) and the engine pauses the request (BACKPRESSURED) once
-its own bounded buffer fills. Ray Serve (2.60) does not carry a slow HTTP reader back to that
-generator, though: the replica's ASGI ``send`` never blocks (a deque the replica drains into a
-Ray stream to the proxy that has no backpressure), so the generator is pulled as fast as it
-produces and a slow reader's chunks wait in the proxy -- at most ``max_tokens`` of them, so
-bounded per request by the context limit, not by a buffer. Callers of the coordinator itself
-get BACKPRESSURED as described (tests/test_cluster.py).
+its own bounded buffer fills. The generator stops being pulled when the client stops reading
+only where the replica answers HTTP itself (direct ingress, as ``tandem serve`` runs it: the
+ASGI ``send`` waits on the socket). Behind Serve's proxy the replica's ``send`` never blocks (a
+deque drained into a Ray stream with no backpressure), so there a slow reader's chunks wait in
+the proxy -- at most ``max_tokens`` of them.
 A client that disconnects cancels the SSE generator, which cancels its choices, which cancel
 their attempts on the workers: the KV is freed within a scheduler tick.
 """

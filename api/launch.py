@@ -4,12 +4,43 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
 HTTP_READY_TIMEOUT_S = 600.0
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """The environment that makes a Ray started with it answer HTTP on ``port`` from the
+    ingress replica itself (Ray Serve's direct ingress) instead of through Serve's proxy actor.
+
+    Behind the proxy every request and every streamed chunk takes one more process hop (replica
+    -> proxy), and the replica hands its ASGI messages to an unbounded queue, so a slow reader's
+    chunks pile up in the proxy. Served by the replica, the ASGI ``send`` is uvicorn's own,
+    which waits while the socket's write buffer is full: backpressure reaches the request, and
+    the hop is gone (measured: see the README's HTTP section). Ray reads these when its
+    processes start, so they must be in the environment before ``ray.init``. Serve still starts
+    its proxy, on whatever port ``serve.start`` gives it.
+    """
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        # The range the replica's port is taken from: exactly ``port``.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        # The ASGI app runs on the replica's event loop, so ``send`` is uvicorn's.
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+        # No external load balancer to deregister from: stopping need not wait 30 s.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def deploy(topology: Path, model: Path | None, host: str, port: int, address: str | None) -> str:
@@ -20,11 +51,14 @@ def deploy(topology: Path, model: Path | None, host: str, port: int, address: st
     from api.deployment import app_builder
     from cluster.launch import NAMESPACE, init_local_ray
 
+    proxy_port = port
     if address:
-        ray.init(address=address, namespace=NAMESPACE)
-    else:
+        ray.init(address=address, namespace=NAMESPACE)  # the cluster's own Serve settings apply
+    elif not ray.is_initialized():
+        os.environ.update(direct_ingress_env(port))
         init_local_ray()
-    serve.start(http_options={"host": host, "port": port})
+        proxy_port = free_port(host)  # ``port`` is the replica's
+    serve.start(http_options={"host": host, "port": proxy_port})
     args = {"topology": str(topology), "model": str(model) if model else None}
     serve.run(app_builder(args), name="tandem", route_prefix="/", blocking=False)
     return f"http://{host}:{port}"

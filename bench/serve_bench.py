@@ -16,7 +16,8 @@ drifts (measured here: the same request's TTFT fell ~30% over the first minute o
 deployment), so a fixed order would charge the drift to whichever path runs first; the ABBA
 order cancels a linear drift, and the two rounds' samples are pooled per path:
 
-* http: streaming ``POST /v1/completions`` (token-id prompt) over aiohttp, SSE parsed here;
+* http: streaming ``POST /v1/completions`` (token-id prompt) over aiohttp to the ingress
+  replica (direct ingress, as ``tandem serve`` runs it), SSE parsed here;
 * direct: ``Coordinator.generate`` in this process over the same router and workers.
 
 Metrics are ``engine.metrics`` (seed §2.1) with arrival = the request's *scheduled* send time

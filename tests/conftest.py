@@ -148,19 +148,43 @@ def bl_tok(byte_level_tokenizer_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="session")
-def ray_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+def direct_ingress_port() -> int:
+    """The port the in-process Serve tests' ingress replica answers HTTP on (``ray_session``
+    starts Ray with ``api.launch.direct_ingress_env`` for it, as ``tandem serve`` does)."""
+    from api.launch import free_port
+
+    return free_port("127.0.0.1")
+
+
+@pytest.fixture(scope="session")
+def ray_session(
+    tmp_path_factory: pytest.TempPathFactory, direct_ingress_port: int
+) -> Iterator[None]:
     """One local Ray cluster for the whole test run (RAY_NOTES): loopback only, no auth, logical
-    CPUs so fractional actors never wait for a core, its own temp dir."""
+    CPUs so fractional actors never wait for a core, its own temp dir; Serve set up as
+    ``tandem serve`` sets it up (direct ingress)."""
     import ray
 
-    ray.init(
-        num_cpus=16,
-        include_dashboard=False,
-        log_to_driver=False,
-        object_store_memory=256 * 2**20,
-        namespace="tandem",
-        _temp_dir=str(tmp_path_factory.mktemp("ray")),
-    )
+    from api.launch import direct_ingress_env
+
+    env = direct_ingress_env(direct_ingress_port)
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # read by Ray's processes as they start
+    try:
+        ray.init(
+            num_cpus=16,
+            include_dashboard=False,
+            log_to_driver=False,
+            object_store_memory=256 * 2**20,
+            namespace="tandem",
+            _temp_dir=str(tmp_path_factory.mktemp("ray")),
+        )
+    finally:  # the tests' own subprocesses (``tandem serve``) choose their own ports
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     try:
         yield
     finally:

@@ -9,6 +9,7 @@ transformers); pools are checked back at baseline after cancellations.
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import socket
 import threading
@@ -23,7 +24,7 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from api.launch import wait_until_ready
+from api.launch import free_port, wait_until_ready
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -54,24 +55,30 @@ serve:
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+@pytest.fixture(scope="module")
+def proxy_port() -> int:
+    return free_port("127.0.0.1")
 
 
 @pytest.fixture(scope="module")
-def server(ray_session: None, test_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+def server(
+    ray_session: None,
+    direct_ingress_port: int,
+    proxy_port: int,
+    test_llama: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Any:
+    """The ingress replica's own URL (direct ingress, as ``tandem serve`` runs it); Serve's
+    proxy serves the same application on ``proxy_port``."""
     from ray import serve
 
     from api.deployment import app_builder
 
     topology = tmp_path_factory.mktemp("serve") / "topology.yaml"
     topology.write_text(TOPOLOGY.format(path=test_llama, engine=ENGINE, keys=json.dumps(KEYS)))
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
     serve.run(app_builder({"topology": str(topology)}), name="tandem", blocking=False)
-    url = f"http://127.0.0.1:{port}"
+    url = f"http://127.0.0.1:{direct_ingress_port}"
     wait_until_ready(url, timeout_s=300)
     yield url
     serve.delete("tandem")
@@ -125,6 +132,18 @@ def test_completion_equals_the_engine(
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (
         len(tok.encode(prompt)),
         12,
+    )
+
+
+def test_serves_proxy_answers_the_same(proxy_port: int, client: openai.OpenAI) -> None:
+    """Serve's proxy (how ``serve run deploy/serve.yaml`` on a cluster without direct ingress
+    is reached) serves the same application."""
+    via_proxy = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{proxy_port}/v1", api_key="key-alice", max_retries=0
+    )
+    args: dict[str, Any] = {"model": MODEL, "prompt": "Both ways", "max_tokens": 8, "seed": 5}
+    assert via_proxy.completions.create(**args).choices[0].text == (
+        client.completions.create(**args).choices[0].text
     )
 
 
@@ -390,6 +409,72 @@ def test_dropped_streams_free_their_kv(server: str) -> None:
         for line in requests.get(f"{server}/metrics", timeout=10).text.splitlines()
         if line.startswith("tandem_requests_total")
     ]
+
+
+class _SmallWindowConnection(http.client.HTTPConnection):
+    """A client whose receive window stays small (set before connecting): when it stops
+    reading, the server's socket fills after a few KiB."""
+
+    def connect(self) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        self.sock.connect((self.host, self.port))
+
+
+def test_a_slow_http_reader_backpressures_its_request(
+    server: str, engine: LLMEngine, tok: Tokenizer
+) -> None:
+    """A client that stops reading its SSE stream stops the decode engine: once the socket's
+    buffers are full (the kernel's send buffer: up to ``net.ipv4.tcp_wmem``'s 4 MiB here) the
+    replica's write waits, the SSE generator stops pulling, and the request goes BACKPRESSURED
+    (KV kept, no tokens: server memory bounded) and stays so while the client does not read;
+    reading again resumes it and the stream completes exactly. Chunks carry 20 top logprobs
+    (~1.5 KiB a token) so that 4000 tokens overflow those buffers."""
+    decode = ray.get_actor("decode-0", namespace="tandem")
+    before = ray.get(decode.backpressure_stats.remote(), timeout=30)
+    messages: list[Any] = [{"role": "user", "content": "A slow reader"}]
+    n = 4000
+    body = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": n,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 20,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    host, port = server.removeprefix("http://").split(":")
+    conn = _SmallWindowConnection(host, int(port), timeout=120)
+    try:
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(body),
+            {"Authorization": "Bearer key-alice", "Content-Type": "application/json"},
+        )
+        reply = conn.getresponse()
+        assert reply.status == 200
+        data = reply.read(64)  # the stream is flowing; now stop reading
+        until = time.time() + 60
+        while (stats := ray.get(decode.backpressure_stats.remote(), timeout=30)).pauses == (
+            before.pauses
+        ):
+            assert time.time() < until, f"never backpressured: {stats}"
+            time.sleep(0.2)
+        time.sleep(1.0)  # not reading: it stays paused
+        assert ray.get(decode.backpressure_stats.remote(), timeout=30).resumes == stats.resumes
+        data += reply.read()
+    finally:
+        conn.close()
+    after = ray.get(decode.backpressure_stats.remote(), timeout=30)
+    assert after.resumes > stats.resumes and after.max_buffered <= 64
+    events = [e.removeprefix("data: ") for e in data.decode().split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    deltas = [json.loads(e)["choices"] for e in events[:-1]]
+    text = "".join(c[0]["delta"].get("content") or "" for c in deltas if c)
+    assert text == expected(engine, tok.encode_chat(messages), greedy(n)).text
+    workers_idle()
 
 
 def test_a_request_past_its_timeout_gets_a_typed_error(server: str) -> None:
