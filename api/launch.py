@@ -37,9 +37,14 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     }
 
 
-def free_port(host: str) -> int:
+def free_port(host: str, port: int = 0) -> int:
+    """``port`` if it is free to listen on at ``host`` (0: one the OS picks); else a
+    ValueError naming the address, before anything starts."""
     with socket.socket() as s:
-        s.bind((host, 0))
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
         return int(s.getsockname()[1])
 
 
@@ -73,7 +78,8 @@ def wait_until_ready(
     import urllib.request
 
     deadline = time.time() + timeout_s
-    while True:
+    stop = stop or threading.Event()
+    while not stop.is_set():  # set while deploying: no "serving" line, straight to shutdown
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
                 if reply.status == 200:
@@ -82,8 +88,8 @@ def wait_until_ready(
             pass
         if time.time() > deadline:
             raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
-        if (stop or threading.Event()).wait(0.5):  # a poll interval, cut short by ``stop``
-            return False
+        stop.wait(0.5)  # a poll interval, cut short by ``stop``
+    return False
 
 
 def serve_forever(
@@ -98,6 +104,7 @@ def serve_forever(
 
     started = time.time()
     spec = load_topology(topology)  # fails fast on a bad file, before Ray starts
+    port = free_port(host, port)  # and on a port in use; --port 0 picks one
     name = (spec.with_model_path(model) if model else spec).model.name
     # From here on Ctrl-C (or SIGTERM) means: finish starting what was started, then shut down.
     stop = threading.Event()

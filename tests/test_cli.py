@@ -128,6 +128,22 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def test_serve_on_a_port_in_use_is_a_clear_error(test_llama: Path) -> None:
+    """Refused before Ray starts, naming the address (not a replica that never comes up)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        tandem = str(Path(sys.executable).with_name("tandem"))
+        cmd = [tandem, "serve", "--model", str(test_llama), "--port", str(port)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"tandem: error: cannot listen on 127.0.0.1:{port}" in done.stderr
+    assert "tandem: starting" not in done.stderr
+
+
 @pytest.mark.e2e
 def test_serve_stopped_while_starting_shuts_down_cleanly(test_llama: Path) -> None:
     """Ctrl-C during start-up (workers still loading) finishes starting, then shuts down: exit
