@@ -1,10 +1,14 @@
 """Cluster benchmark (issue: disaggregated cluster): disaggregated vs colocated, one workload.
 
     .venv/bin/python -m bench.cluster_bench [--size small] [--requests 8] [--prompt-len 1024]
+        [--rounds 2]
 
 Both configurations run the same requests (fresh prompts, greedy, ``ignore_eos``) on a local Ray
-cluster, one after the other: ``disaggregated`` = 1 prefill + 1 decode worker (KV over the chosen
-transport), ``colocated`` = 1 worker doing both. Two phases each:
+cluster: ``disaggregated`` = 1 prefill + 1 decode worker (KV over the chosen transport),
+``colocated`` = 1 worker doing both. They take turns in ABBA order over ``--rounds`` rounds
+(colocated then disaggregated, then the other way round, each round with new prompts, each turn a
+fresh cluster): a shared machine drifts, and a fixed order would charge the drift to whichever
+runs second. Samples are pooled per configuration. Two phases per turn:
 
 * latency: one request at a time (closed loop, concurrency 1; no queueing), so TTFT and ITL are
   the serving path's own. TTFT and ITL follow the seed's §2.1 with arrival = when the client
@@ -24,6 +28,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,44 +105,68 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-async def bench_config(name: str, args: argparse.Namespace, model: Path) -> dict[str, Any]:
+@dataclass
+class Turn:
+    """One configuration's turn: its latency runs, throughput, and (disaggregated) pulls."""
+
+    config: str
+    latency: list[dict[str, Any]]
+    throughput_tok_s: float
+    pulls: list[Any]
+
+
+async def bench_config(name: str, rnd: int, args: argparse.Namespace, model: Path) -> Turn:
     text = TOPOLOGIES[name].format(path=model, engine=ENGINE, transport=args.transport)
-    log(f"{name}: starting the cluster")
+    log(f"round {rnd + 1}, {name}: starting the cluster")
     c = await start_cluster(Topology.from_yaml_text(text), model)
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    tag = f"{name}-{rnd}"
     try:
-        await one(c, f"{name}-warm", prompts(1, args.prompt_len, 99)[0], params)
-        log(f"{name}: latency, {args.requests} requests one at a time")
+        await one(c, f"{tag}-warm", prompts(1, args.prompt_len, 99)[0], params)
+        log(f"round {rnd + 1}, {name}: latency, {args.requests} requests one at a time")
         lat = [
-            await one(c, f"{name}-lat-{i}", p, params)
-            for i, p in enumerate(prompts(args.requests, args.prompt_len, 1))
+            await one(c, f"{tag}-lat-{i}", p, params)
+            for i, p in enumerate(prompts(args.requests, args.prompt_len, 1 + 2 * rnd))
         ]
-        log(f"{name}: throughput, {args.requests} requests at once")
+        log(f"round {rnd + 1}, {name}: throughput, {args.requests} requests at once")
         t0 = time.time()
         await asyncio.gather(
             *(
-                one(c, f"{name}-tput-{i}", p, params)
-                for i, p in enumerate(prompts(args.requests, args.prompt_len, 2))
+                one(c, f"{tag}-tput-{i}", p, params)
+                for i, p in enumerate(prompts(args.requests, args.prompt_len, 2 + 2 * rnd))
             )
         )
         tput = args.requests * args.output_len / (time.time() - t0)
-        result = {"config": name, **summary(lat), "throughput_tok_s": tput}
+        pulls = []
         if name == "disaggregated":
             records = await c.workers["decode-0"].transfer_records.remote()
             by_id = {r.attempt_id: r for r in records}
-            exposed = [
-                max(0.0, by_id[f"{name}-lat-{i}@1"].finished - run["stamps"][0])
-                for i, run in enumerate(lat)
-            ]
-            pulls = [by_id[f"{name}-lat-{i}@1"] for i in range(len(lat))]
-            result |= {
-                "kv_bytes_per_request": pulls[0].num_bytes,
-                "transfer_p50_s": metrics.percentile([p.finished - p.started for p in pulls], 50),
-                "transfer_exposed_p50_s": metrics.percentile(exposed, 50),
-            }
-        return result
+            pulls = [by_id[f"{tag}-lat-{i}@1"] for i in range(len(lat))]
+        return Turn(name, lat, tput, pulls)
     finally:
         await c.shutdown()
+
+
+def pooled(name: str, turns: list[Turn]) -> dict[str, Any]:
+    mine = [t for t in turns if t.config == name]
+    lat = [run for t in mine for run in t.latency]
+    result = {
+        "config": name,
+        **summary(lat),
+        "throughput_tok_s": sum(t.throughput_tok_s for t in mine) / len(mine),
+    }
+    pulls = [p for t in mine for p in t.pulls]
+    if pulls:
+        # How long after the first token the KV was in place: the part of the pull the client
+        # waits for (the first token itself comes from the prefill worker).
+        firsts = [run["stamps"][0] for t in mine for run in t.latency]
+        exposed = [max(0.0, p.finished - f) for p, f in zip(pulls, firsts, strict=True)]
+        result |= {
+            "kv_bytes_per_request": pulls[0].num_bytes,
+            "transfer_p50_s": metrics.percentile([p.finished - p.started for p in pulls], 50),
+            "transfer_exposed_p50_s": metrics.percentile(exposed, 50),
+        }
+    return result
 
 
 def main() -> None:
@@ -147,11 +176,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--transport", default="grpc", choices=["grpc", "torch"])
+    ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each config once each)")
     args = ap.parse_args()
     model = ensure_demo_model(args.size)
     init_local_ray()
-    rows = [asyncio.run(bench_config(n, args, model)) for n in ("colocated", "disaggregated")]
+    turns = []
+    for rnd in range(args.rounds):
+        order = ("colocated", "disaggregated")[:: 1 if rnd % 2 == 0 else -1]
+        turns += [asyncio.run(bench_config(n, rnd, args, model)) for n in order]
     ray.shutdown()
+    rows = [pooled(n, turns) for n in ("colocated", "disaggregated")]
     colo, dis = rows
     added = dis["ttft_p50_s"] / colo["ttft_p50_s"] - 1
     print(f"\n{'config':<14} {'TTFT p50':>9} {'p99':>7} {'ITL p50':>8} {'p99':>7} {'tok/s':>7}")
@@ -166,8 +200,9 @@ def main() -> None:
         f"first token p50 {dis['transfer_exposed_p50_s'] * 1e3:.0f} ms; TTFT added by "
         f"disaggregation {added * 100:+.1f}% (n={dis['n_ttft']} per config, ms = milliseconds)"
     )
+    per_turn = [{"config": t.config, "ttft_p50_s": summary(t.latency)["ttft_p50_s"]} for t in turns]
     RESULTS.mkdir(exist_ok=True)
-    out = {"args": vars(args), "configs": rows, "ttft_added": added}
+    out = {"args": vars(args), "configs": rows, "turns": per_turn, "ttft_added": added}
     (RESULTS / "cluster_bench.json").write_text(json.dumps(out, indent=2))
     plot(rows, RESULTS / "cluster_bench.png")
     log(f"wrote {RESULTS / 'cluster_bench.json'} and cluster_bench.png")
