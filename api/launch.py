@@ -49,7 +49,9 @@ def free_port(host: str, port: int = 0) -> int:
 
 
 def deploy(topology: Path, model: Path | None, host: str, port: int, address: str | None) -> str:
-    """Deploy the application on a running or new Ray cluster; returns the base URL."""
+    """Deploy the application; returns the base URL. A Ray this starts serves HTTP from the
+    ingress replica (:func:`direct_ingress_env`); a cluster joined at ``address``, or a Ray
+    already running in this process, keeps its own Serve settings (the proxy takes ``port``)."""
     import ray
     from ray import serve
 
