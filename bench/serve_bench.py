@@ -37,7 +37,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -58,7 +57,7 @@ from ray import serve  # noqa: E402
 
 from api import protocol  # noqa: E402
 from api.deployment import DEFAULT_TOPOLOGY  # noqa: E402
-from api.launch import deploy, wait_until_ready  # noqa: E402
+from api.launch import deploy, free_port, wait_until_ready  # noqa: E402
 from cluster.coordinator import Coordinator  # noqa: E402
 from cluster.launch import NAMESPACE, ROUTER_NAME  # noqa: E402
 from cluster.messages import RequestSpec, WorkerInfo  # noqa: E402
@@ -91,12 +90,6 @@ class BenchError(RuntimeError):
 
 def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def short_tmpdir() -> Path:
@@ -138,7 +131,7 @@ def processes_under(path: Path) -> list[int]:
 def cold_start(model_dir: Path) -> dict[str, Any]:
     """Spawn ``tandem serve``, time it to the first completion, SIGINT it, time the exit."""
     tmp = short_tmpdir()
-    port = free_port()
+    port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
     model = load_topology(DEFAULT_TOPOLOGY).model.name  # the name `tandem serve` serves under
     env = os.environ | {
@@ -524,7 +517,7 @@ def main() -> None:
         topology_path = write_topology(model_dir, tmp)
         topology = load_topology(topology_path)
         log(f"steady state: deploying {topology_path} on a local Ray")
-        url = deploy(topology_path, None, "127.0.0.1", free_port(), None)
+        url = deploy(topology_path, None, "127.0.0.1", free_port("127.0.0.1"), None)
         wait_until_ready(url)
         rows = asyncio.run(steady_state(args, url, topology, model_dir))
     finally:

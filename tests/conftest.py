@@ -167,10 +167,11 @@ def ray_session(
 
     from api.launch import direct_ingress_env
 
-    env = direct_ingress_env(direct_ingress_port)
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # read by Ray's processes as they start
-    try:
+    # Set only while Ray's processes start: the tests' own ``tandem serve`` subprocesses choose
+    # their own ports.
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in direct_ingress_env(direct_ingress_port).items():
+            env.setenv(name, value)
         ray.init(
             num_cpus=16,
             include_dashboard=False,
@@ -179,12 +180,6 @@ def ray_session(
             namespace="tandem",
             _temp_dir=str(tmp_path_factory.mktemp("ray")),
         )
-    finally:  # the tests' own subprocesses (``tandem serve``) choose their own ports
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         yield
     finally:

@@ -89,13 +89,12 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
     import os
     import shutil
     import signal
-    import socket
     import tempfile
     import urllib.request
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from api.launch import free_port
+
+    port = free_port("127.0.0.1")
     tmp = tempfile.mkdtemp(prefix="tandem-ray-")  # short: Ray's socket paths must fit 107 bytes
     env = {**os.environ, "RAY_TMPDIR": tmp}
     tandem = str(Path(sys.executable).with_name("tandem"))
