@@ -17,6 +17,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 pytest: $(STAMP)
 	$(VENV)/bin/python -m pytest -q

@@ -31,7 +31,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import Request, Response
@@ -41,11 +40,12 @@ from api import protocol
 from api.gate import IngressGate, Rejected, Ticket
 from api.metrics import Metrics, RequestTiming, log_record
 from api.protocol import APIError
-from cluster.coordinator import ClientDelta, Coordinator
-from cluster.launch import Cluster
-from cluster.messages import RequestSpec
-from cluster.retry import RetriesExhausted
-from cluster.roles import Role
+from cluster.client_stream import ClientDelta
+from cluster.coordinator import ClientRecord, Coordinator
+from cluster.retry import GiveUp, RetriesExhausted
+from contracts.actors import RouterClient, WorkerClient
+from contracts.messages import RequestSpec
+from engine.request import FinishReason, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -64,7 +64,7 @@ class _Choice:
     index: int
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
@@ -91,7 +91,7 @@ class Service:
     def __init__(
         self,
         coordinator: Coordinator,
-        router: Any,
+        router: RouterClient,
         tokenizer: Tokenizer,
         model_name: str,
         max_model_len: int,
@@ -99,7 +99,7 @@ class Service:
         gate: IngressGate,
         metrics: Metrics,
         request_timeout_s: float,
-        decode_workers: dict[str, Any] | None = None,
+        decode_workers: dict[str, WorkerClient] | None = None,
     ) -> None:
         self.coordinator = coordinator
         self.router = router
@@ -112,27 +112,6 @@ class Service:
         self.request_timeout_s = request_timeout_s
         self.decode_workers = decode_workers or {}
         self._transfer_seen: dict[str, int] = {}  # worker -> last transfer record observed
-
-    @classmethod
-    def for_cluster(cls, cluster: Cluster, model_dir: Path) -> Service:
-        spec = cluster.topology
-        infos = list(cluster.infos.values())
-        return cls(
-            coordinator=cluster.coordinator,
-            router=cluster.router,
-            tokenizer=Tokenizer(model_dir),
-            model_name=spec.model.name,
-            max_model_len=min(i.max_model_len for i in infos),
-            vocab_size=infos[0].vocab_size,
-            gate=IngressGate(spec.serve.gate),
-            metrics=Metrics(),
-            request_timeout_s=spec.retry.deadline_s,
-            decode_workers={
-                name: handle
-                for name, handle in cluster.workers.items()
-                if cluster.infos[name].role is Role.DECODE
-            },
-        )
 
     # -- routes --------------------------------------------------------------------------------
 
@@ -154,14 +133,14 @@ class Service:
 
     async def check_ready(self) -> None:
         """Raises RuntimeError unless the router sees a replica that can serve."""
-        states = await self.router.worker_states.remote()
+        states = await self.router.worker_states()
         healthy = {s.role.value for s in states if s.healthy}
         if not ({"prefill", "decode"} <= healthy or "colocated" in healthy or "decode" in healthy):
             raise RuntimeError(f"no healthy serving replica (healthy roles: {sorted(healthy)})")
 
     async def metrics_response(self) -> Response:
         await self._collect_transfers()
-        for s in await self.router.worker_states.remote():
+        for s in await self.router.worker_states():
             self.metrics.set_worker(
                 s.name, s.kv_usage, s.queue_depth, s.num_running, s.prefix_hit_ratio
             )
@@ -172,7 +151,7 @@ class Service:
         """Observe the KV pulls the decode workers finished since the last scrape."""
         for name, worker in self.decode_workers.items():
             try:
-                records = await worker.transfer_records.remote(self._transfer_seen.get(name, 0))
+                records = await worker.transfer_records(self._transfer_seen.get(name, 0))
             except Exception:  # a worker restarting: its records come with the next scrape
                 continue
             for r in records:
@@ -213,7 +192,7 @@ class Service:
         timing = RequestTiming(
             request_id="-",
             tenant=tenant,
-            status="rejected",
+            status=RequestStatus.REJECTED,
             finish_reason=None,
             arrival=arrival,
             emit_times=[],
@@ -296,7 +275,7 @@ class Service:
                 c.index,
                 c.text,
                 c.token_ids,
-                c.finish_reason or "length",
+                c.finish_reason or FinishReason.MAX_TOKENS,
                 c.logprobs if job.logprobs else None,
             )
             for c in choices
@@ -383,17 +362,18 @@ class Service:
             )
             timing = _Timing(self.metrics, job, index)
             outcome: Exception | None = None  # None: the choice finished
+            run = self.coordinator.generate(spec)
             try:
                 # Closed on the way out, so a cancelled choice's CANCELLED record is in by
                 # the time it is observed (its generator may sit at a yield, not at an await).
-                async with contextlib.aclosing(self.coordinator.generate(spec)) as deltas:
-                    async for delta in deltas:
+                async with contextlib.aclosing(run):
+                    async for delta in run:
                         timing.emitted(delta)
                         await ready.put((index, delta))
             except Exception as exc:
                 outcome = exc
             finally:  # one record per choice, a cancelled one (the client went away) too
-                timing.done(self.coordinator)
+                timing.done(run.record)
             await ready.put((index, outcome))
 
         tasks = [asyncio.ensure_future(run_choice(i)) for i in range(len(job.prompts))]
@@ -408,7 +388,7 @@ class Service:
                     if error.code == "kv_capacity":
                         self.metrics.observe_rejection("kv_capacity")
                     raise error from item
-                elif item.finish_reason == "timeout":  # the deadline passed mid-request
+                elif item.finish_reason is FinishReason.DEADLINE:  # it passed mid-request
                     raise APIError(
                         504,
                         f"request timed out after {_timeout_s(job):.1f} s",
@@ -436,13 +416,11 @@ class _Timing:
         now = time.time()
         self.emit_times.extend(now for _ in delta.token_ids)
 
-    def done(self, coordinator: Coordinator) -> None:
-        rid = f"{self.job.meta.id}-{self.index}"
-        record = next((r for r in reversed(coordinator.records) if r.request_id == rid), None)
-        if record is None:
+    def done(self, record: ClientRecord | None) -> None:
+        if record is None:  # the choice never started (cancelled before its first step)
             return
         timing = RequestTiming(
-            request_id=rid,
+            request_id=record.request_id,
             tenant=self.job.tenant,
             status=record.status,
             finish_reason=record.finish_reason,
@@ -471,7 +449,7 @@ def _timeout_s(job: _Job) -> float:
 
 def _api_error(exc: BaseException) -> APIError:
     if isinstance(exc, RetriesExhausted):
-        if exc.why == "deadline passed":
+        if exc.why is GiveUp.DEADLINE:
             return APIError(504, f"request timed out: {exc}", code="timeout")
         if exc.rejected:  # phase 2: no replica had KV room for it
             return APIError(503, f"no capacity for the request: {exc}", code="kv_capacity")

@@ -30,14 +30,17 @@ from prometheus_client import (
 
 from api.gate import RejectCode
 from engine import metrics as latency
-from engine.request import RequestTimes
+from engine.request import FinishReason, RequestStatus, RequestTimes
 
 logger = logging.getLogger("tandem.requests")
 
-STATUSES = ("finished", "timed_out", "failed", "cancelled", "rejected")
-# OpenAI's finish reasons as the cluster reports them (engine FinishReason.openai), "none"
-# when a request ended without one.
-FINISH_REASONS = ("stop", "length", "abort", "timeout", "error", "rejected", "none")
+# Label values: the engine's terminal statuses and finish reasons (the one outcome type), and
+# "none" for a request that ended without a finish reason (failed, cancelled, rejected).
+STATUSES = tuple(s.value for s in RequestStatus if s.is_terminal)
+FINISH_REASONS = (
+    *(r.value for r in FinishReason if r is not FinishReason.HANDED_OFF),
+    "none",
+)
 REJECTION_CAUSES = (
     *(code.value for code in RejectCode),  # phase 1, the gate
     "context_length",  # phase 2: prompt + max_tokens beyond the model's context
@@ -79,8 +82,8 @@ class RequestTiming:
 
     request_id: str
     tenant: str
-    status: str  # one of STATUSES
-    finish_reason: str | None  # one of FINISH_REASONS but "none"
+    status: RequestStatus  # terminal
+    finish_reason: FinishReason | None  # not HANDED_OFF: that never ends a client's request
     arrival: float
     emit_times: list[float]  # when each output token reached the client, in order
     finished: float
@@ -88,12 +91,10 @@ class RequestTiming:
     queue_time_s: float | None
 
     def __post_init__(self) -> None:
-        if self.status not in STATUSES:
-            raise InvalidMetric(f"status {self.status!r} is not one of {STATUSES}")
-        if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS[:-1]:
-            raise InvalidMetric(
-                f"finish_reason {self.finish_reason!r} is not None or one of {FINISH_REASONS[:-1]}"
-            )
+        if not self.status.is_terminal:
+            raise InvalidMetric(f"status {self.status.value!r} is not one of {STATUSES}")
+        if self.finish_reason is FinishReason.HANDED_OFF:
+            raise InvalidMetric("finish_reason 'handed_off' never ends a client's request")
         if self.num_prompt_tokens < 0:
             raise InvalidMetric(f"num_prompt_tokens {self.num_prompt_tokens} is negative")
 
@@ -207,7 +208,8 @@ class Metrics:
     def observe_request(self, t: RequestTiming) -> None:
         """Count a terminal request and observe its latencies (those defined for it). A
         rejected request is observed here too; ``observe_rejection`` adds its cause."""
-        self.requests.labels(status=t.status, finish_reason=t.finish_reason or "none").inc()
+        reason = t.finish_reason.value if t.finish_reason else "none"
+        self.requests.labels(status=t.status.value, finish_reason=reason).inc()
         self.prompt_tokens.inc(t.num_prompt_tokens)
         self.generation_tokens.inc(t.num_output_tokens)
         ttft, tpot, e2e = t.ttft(), t.tpot(), t.e2e()
@@ -261,8 +263,8 @@ def log_record(t: RequestTiming) -> str:
         {
             "request_id": t.request_id,
             "tenant": t.tenant,
-            "status": t.status,
-            "finish_reason": t.finish_reason,
+            "status": t.status.value,
+            "finish_reason": t.finish_reason.value if t.finish_reason else None,
             "arrival": t.arrival,
             "num_prompt_tokens": t.num_prompt_tokens,
             "num_output_tokens": t.num_output_tokens,

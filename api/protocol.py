@@ -17,10 +17,12 @@ Decisions the app relies on:
   choice ``prompt_i * n + j`` with ``choice_params(params, j)``. A seeded choice j > 0 gets
   the seed the engine itself gives sample j of an n > 1 request, so a seeded n=2 request draws
   the same texts through the cluster as through one engine.
-- **Finish reasons**: the engine's ``stop`` and ``length`` are OpenAI's; ``timeout`` (the
-  deadline passed mid-generation) and ``abort`` (cancelled) report ``length``, the one OpenAI
-  value that says "the text is cut short", so strict clients still parse the response. Any other
-  reason (``error``, ``rejected``...) must not reach a response: it raises APIError(500).
+- **Finish reasons** are the engine's :class:`FinishReason` up to here; this module's
+  :func:`openai_finish_reason` is the one place OpenAI's strings are made: an EOS, stop token
+  or stop string is ``stop``; max tokens or the context limit ``length``; a deadline that passed
+  mid-generation (the app answers 504 first, but a finished stream may carry it) and a
+  cancellation report ``length``, the one OpenAI value that says "the text is cut short". Any
+  other reason (an error, a rejection, a hand-off) must not reach a response: APIError(500).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.request import FinishReason
 from engine.sampler import TokenLogprobs, request_seed
 from engine.sampling_params import InvalidSamplingParams, SamplingParams
 from engine.tokenizer import Tokenizer
@@ -426,17 +429,25 @@ def _check_vocab(ids: Sequence[int], vocab_size: int, param: str) -> None:
 
 # -- responses ------------------------------------------------------------------------------------
 
-_FINISH_REASONS = {"stop": "stop", "length": "length", "timeout": "length", "abort": "length"}
+_OPENAI_FINISH_REASONS = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_TOKEN: "stop",
+    FinishReason.STOP_STRING: "stop",
+    FinishReason.MAX_TOKENS: "length",
+    FinishReason.CONTEXT_LIMIT: "length",
+    FinishReason.DEADLINE: "length",
+    FinishReason.CANCELLED: "length",
+}
 
 
-def openai_finish_reason(reason: str) -> str:
+def openai_finish_reason(reason: FinishReason) -> str:
     """OpenAI's ``finish_reason`` for the engine's (see the module docstring).
 
-    Raises: APIError(500) for a reason that must not reach a client (``error``...)."""
+    Raises: APIError(500) for a reason that must not reach a client (an error...)."""
     try:
-        return _FINISH_REASONS[reason]
+        return _OPENAI_FINISH_REASONS[reason]
     except KeyError:
-        raise APIError(500, f"the request ended with finish_reason={reason!r}") from None
+        raise APIError(500, f"the request ended with finish_reason={reason.value!r}") from None
 
 
 @dataclass(frozen=True)
@@ -456,7 +467,7 @@ class Choice:
     index: int
     text: str
     token_ids: Sequence[int]
-    finish_reason: str  # the engine's
+    finish_reason: FinishReason
     logprobs: Sequence[TokenLogprobs] | None = None
 
 
@@ -522,7 +533,7 @@ def completion_chunk(
     index: int,
     text: str,
     *,
-    finish_reason: str | None = None,
+    finish_reason: FinishReason | None = None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One streamed ``text_completion`` chunk: a text delta, the last one with its
@@ -551,7 +562,7 @@ def chat_chunk(
     *,
     role: bool = False,
     content: str | None = None,
-    finish_reason: str | None = None,
+    finish_reason: FinishReason | None = None,
     logprobs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``. A choice's stream is: a first chunk with ``role=True``

@@ -1,1 +1,1 @@
-"""Tandem bench package."""
+"""Benchmarks: scripts that print a table and write JSON + PNG under bench/results/."""

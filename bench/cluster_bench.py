@@ -25,24 +25,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from tandem.bootstrap import init_ray, loopback_env  # noqa: I001
+
+loopback_env()  # before ray is imported
 
 import ray  # noqa: E402
 
-from cluster.launch import Cluster, init_local_ray, start_cluster  # noqa: E402
-from cluster.messages import RequestSpec  # noqa: E402
-from cluster.topology import Topology  # noqa: E402
+from contracts.messages import RequestSpec  # noqa: E402
 from engine import metrics  # noqa: E402
-from engine.cli import ensure_demo_model  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
+from tandem.demo import ensure_demo_model  # noqa: E402
+from tandem.launch import Cluster, start_cluster  # noqa: E402
+from tandem.topology import Topology  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ENGINE = "{kv_cache_bytes: 268435456, max_num_seqs: 16, max_num_batched_tokens: 2048}"
@@ -139,7 +139,7 @@ async def bench_config(name: str, rnd: int, args: argparse.Namespace, model: Pat
         tput = args.requests * args.output_len / (time.time() - t0)
         pulls = []
         if name == "disaggregated":
-            records = await c.workers["decode-0"].transfer_records.remote()
+            records = await c.workers["decode-0"].transfer_records()
             by_id = {r.attempt_id: r for r in records}
             pulls = [by_id[f"{tag}-lat-{i}@1"] for i in range(len(lat))]
         return Turn(name, lat, tput, pulls)
@@ -179,7 +179,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds (each config once each)")
     args = ap.parse_args()
     model = ensure_demo_model(args.size)
-    init_local_ray()
+    init_ray()
     turns = []
     for rnd in range(args.rounds):
         order = ("colocated", "disaggregated")[:: 1 if rnd % 2 == 0 else -1]

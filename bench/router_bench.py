@@ -24,14 +24,17 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
 
+from contracts.roles import Role
+from contracts.routing import RouteRequest, WorkerState
 from engine.kv_cache_manager import prefix_hashes
 from engine.kv_events import KVEvent, KVEventKind
-from router.policy import Role, RouteRequest, RouterWeights, WorkerState, choose
+from router.config import RouterConfig
+from router.policy import choose
 from router.prefix_index import PrefixIndex
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -154,7 +157,7 @@ def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     workers = make_workers(32)
     index = PrefixIndex()
-    weights = RouterWeights()
+    weights = RouterConfig()
     timings: dict[str, list[int]] = {}
 
     log(f"{len(workers)} workers over {len(DOMAINS)} domains; building {args.prefixes} prefixes")
@@ -226,7 +229,7 @@ def run(args: argparse.Namespace) -> dict:
             "choices": args.choices,
             "block_size": BLOCK_SIZE,
             "seed": args.seed,
-            "weights": asdict(weights),
+            "weights": weights.model_dump(),
         },
         "modes": dict(modes),
         "latency": stats,

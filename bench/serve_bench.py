@@ -47,8 +47,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # before ray is imported
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+from tandem.bootstrap import LOOPBACK_ENV, loopback_env  # noqa: I001
+
+loopback_env()  # before ray is imported
 
 import aiohttp  # noqa: E402
 import ray  # noqa: E402
@@ -56,18 +57,16 @@ import yaml  # noqa: E402
 from ray import serve  # noqa: E402
 
 from api import protocol  # noqa: E402
-from api.deployment import DEFAULT_TOPOLOGY  # noqa: E402
-from api.launch import deploy, free_port, wait_until_ready  # noqa: E402
 from cluster.coordinator import Coordinator  # noqa: E402
-from cluster.launch import NAMESPACE, ROUTER_NAME  # noqa: E402
-from cluster.messages import RequestSpec, WorkerInfo  # noqa: E402
-from cluster.retry import RetryPolicy  # noqa: E402
-from cluster.topology import Topology, load_topology  # noqa: E402
+from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient  # noqa: E402
+from contracts.messages import RequestSpec, WorkerInfo  # noqa: E402
 from engine import metrics  # noqa: E402
-from engine.cli import ensure_demo_model  # noqa: E402
 from engine.request import RequestTimes  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
-from engine.tokenizer import Tokenizer  # noqa: E402
+from tandem.demo import ensure_demo_model  # noqa: E402
+from tandem.deployment import DEFAULT_TOPOLOGY  # noqa: E402
+from tandem.serve import deploy, free_port, wait_until_ready  # noqa: E402
+from tandem.topology import Topology, load_topology  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TANDEM = Path(sys.executable).with_name("tandem")
@@ -135,8 +134,7 @@ def cold_start(model_dir: Path) -> dict[str, Any]:
     url = f"http://127.0.0.1:{port}"
     model = load_topology(DEFAULT_TOPOLOGY).model.name  # the name `tandem serve` serves under
     env = os.environ | {
-        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        "RAY_AUTH_MODE": "disabled",
+        **LOOPBACK_ENV,
         "RAY_TMPDIR": str(tmp),
     }
     cmd = [str(TANDEM), "serve", "--model", str(model_dir), "--port", str(port)]
@@ -335,19 +333,18 @@ def summary(path: str, rate: float, rounds: list[list[Sample]]) -> dict[str, Any
 
 async def direct_coordinator(topology: Topology, model_dir: Path) -> tuple[Coordinator, int]:
     """A coordinator over the deployment's own router and workers (looked up by name), built
-    as ``cluster.launch.start_cluster`` builds the ingress's; and the model's vocabulary size."""
-    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    workers = {s.name: ray.get_actor(s.name, namespace=NAMESPACE) for s in topology.workers()}
-    infos: list[WorkerInfo] = await asyncio.gather(*(w.ready.remote() for w in workers.values()))
-    retry = topology.retry
+    as ``tandem.launch.start_cluster`` builds the ingress's; and the model's vocabulary size."""
+    router = RouterClient(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))
+    workers = {
+        s.name: WorkerClient(ray.get_actor(s.name, namespace=NAMESPACE)) for s in topology.workers()
+    }
+    infos: list[WorkerInfo] = await asyncio.gather(*(w.ready() for w in workers.values()))
     coordinator = Coordinator(
         router,
         workers,
         {i.name: i for i in infos},
-        Tokenizer(model_dir),
         topology.model.name,
-        RetryPolicy(retry.max_attempts, retry.budget_ratio, backoff_s=retry.backoff_s),
-        transport=topology.resolved_transport(False),
+        topology.retry,
     )
     return coordinator, infos[0].vocab_size
 

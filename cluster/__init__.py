@@ -1,1 +1,1 @@
-"""Tandem cluster package."""
+"""What the cluster's processes share above the contracts: the worker actor base (one engine, reports to the router, fault points), the coordinator that drives one request (attempts, retries, migration) and its client stream, the retry policy."""

@@ -6,14 +6,15 @@ It lives with the client-facing side (the Serve ingress; the driver in tests). P
                            │ first token (TTFT)                  │ tokens 2.. (streamed)
                            └──────────────> client <─────────────┘
 
-The client's stream is owned here, never by a worker: the tokens it has received, the sampler
-state after them and the stop-string holdback (the TextStream) all survive any worker. When an
-attempt fails (actor death, transport error, no room) the request is retried before its first
-token, or migrated after it: the next attempt recomputes prompt + received tokens on a healthy
-pair and continues from the sampler snapshot, so the client sees no duplicate and no gap (P5).
-A worker that hangs is caught the same way: every wait on a worker also ends when the router
-marks it FAILED for missed heartbeats (one long poll per event loop, ``_HealthWatch``).
-Every request ends with exactly one :class:`ClientRecord` (P8).
+The client's stream is owned here, never by a worker (:class:`ClientStream`): the tokens and
+text it has received and the sampler state after them survive any worker. When an attempt
+fails (actor death, transport error, no room) the request is retried before its first token,
+or migrated after it: the next attempt recomputes prompt + received tokens on a healthy pair
+and continues from the sampler snapshot, so the client sees no duplicate and no gap
+(docs/design.md#retries-and-migration). A worker that hangs is caught the same way: every wait
+on a worker also ends when the router marks it FAILED for missed heartbeats (one long poll per
+event loop, ``_HealthWatch``). Every request ends with exactly one :class:`ClientRecord`, which
+its :class:`RequestRun` hands back.
 """
 
 from __future__ import annotations
@@ -22,67 +23,33 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.messages import Attempt, KVPullFailed, KVSource, RequestSpec, TokenBatch, WorkerInfo
-from cluster.retry import Exclusions, RetriesExhausted, RetryBudget, RetryPolicy
-from engine.detokenizer import TextStream
+from cluster.client_stream import AttemptFailed, ClientDelta, ClientStream
+from cluster.retry import Exclusions, GiveUp, RetriesExhausted, RetryBudget, RetryPolicy
+from contracts.actors import RouterClient, WorkerClient
+from contracts.messages import Attempt, KVPullFailed, KVSource, RequestSpec, TokenBatch, WorkerInfo
+from contracts.routing import Decision, NoReplicaAvailable, RouteRequest
 from engine.engine import RequestRejected
 from engine.kv_cache_manager import prefix_hashes
-from engine.request import RecordLog
-from engine.sampler import SamplingSnapshot, TokenLogprobs
-from engine.tokenizer import Tokenizer
-from router.policy import NoReplicaAvailable, RouteRequest
+from engine.request import FinishReason, RecordLog, RequestStatus
 
 logger = logging.getLogger(__name__)
 ROUTER_RESTART_WAIT_S = 30.0
-# Token batches a worker's stream may run ahead of this side before it blocks (Ray generator
-# backpressure); the engine behind it then fills its own bounded buffer and pauses the request.
-STREAM_AHEAD_BATCHES = 4
-_STREAMING = frozenset({"generate", "decode"})
-
-
-class AttemptFailed(RuntimeError):
-    """One attempt could not go on; ``worker`` (if known) is the one to blame."""
-
-    def __init__(
-        self,
-        message: str,
-        worker: str | None = None,
-        dead: bool = False,
-        rejected: bool = False,
-        no_replica: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.worker = worker
-        self.dead = dead  # the worker itself is gone (tell the router)
-        self.rejected = rejected  # its engine's admission refused the request (no KV room)
-        self.no_replica = no_replica  # the router had no replica left outside the exclusions
-
-
-@dataclass
-class ClientDelta:
-    """What the client receives: new token ids and the text now safe to show."""
-
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
 
 
 @dataclass(frozen=True)
 class ClientRecord:
-    """Exactly one per client request (P8)."""
+    """Exactly one per client request."""
 
     request_id: str
-    status: str  # "finished" | "timed_out" | "failed" | "cancelled"
-    finish_reason: str | None
+    status: RequestStatus  # FINISHED, TIMED_OUT, FAILED, REJECTED (no KV room) or CANCELLED
+    finish_reason: FinishReason | None  # the engine's, when it ended for its client
     num_prompt_tokens: int
     num_output_tokens: int  # tokens delivered to the client
     attempts: int
@@ -95,22 +62,35 @@ class ClientRecord:
     queue_time_s: float | None = None
 
 
-@dataclass
-class _ClientStream:
-    spec: RequestSpec
-    text: TextStream
-    tokens: list[int] = field(default_factory=list)
-    snapshot: SamplingSnapshot | None = None
-    first_token_at: float | None = None
-    queue_time_s: float | None = None  # of the attempt that produced the first token
-    finish_reason: str | None = None
+class RequestRun:
+    """One request as the coordinator drives it: iterate it for the client's deltas (raises
+    RetriesExhausted when it fails for good); ``record`` is its ClientRecord once it ended,
+    whichever way (close it, e.g. with ``contextlib.aclosing``, to end it early)."""
+
+    def __init__(self) -> None:
+        self._deltas: AsyncGenerator[ClientDelta, None] | None = None
+        self.record: ClientRecord | None = None
+
+    def start(self, deltas: AsyncGenerator[ClientDelta, None]) -> None:
+        self._deltas = deltas
+
+    def __aiter__(self) -> AsyncIterator[ClientDelta]:
+        return self
+
+    async def __anext__(self) -> ClientDelta:
+        assert self._deltas is not None
+        return await self._deltas.__anext__()
+
+    async def aclose(self) -> None:
+        if self._deltas is not None:
+            await self._deltas.aclose()
 
 
 class _HealthWatch:
     """The router's view of worker health, kept current by one long poll per event loop;
     ``failed(worker)`` is an event that is set while the worker is FAILED."""
 
-    def __init__(self, router: Any) -> None:
+    def __init__(self, router: RouterClient) -> None:
         self.router = router
         self._events: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task[None] | None = None
@@ -129,7 +109,7 @@ class _HealthWatch:
         version = -1
         while True:
             try:
-                version, health = await self.router.watch_health.remote(version, 10.0)
+                version, health = await self.router.watch_health(version, 10.0)
             except RayActorError:  # the router restarts; its view comes back with it
                 await asyncio.sleep(0.2)
                 continue
@@ -144,38 +124,36 @@ class _HealthWatch:
 class Coordinator:
     def __init__(
         self,
-        router: Any,
-        workers: dict[str, Any],
+        router: RouterClient,
+        workers: dict[str, WorkerClient],
         infos: dict[str, WorkerInfo],
-        tokenizer: Tokenizer,
         model_id: str,
         retry: RetryPolicy,
-        transport: str = "grpc",
     ) -> None:
         self.router = router
         self.workers = workers
         self.infos = infos
-        self.tokenizer = tokenizer
         self.model_id = model_id
         self.budget = RetryBudget(retry)
-        self.transport = transport
         self.records: RecordLog[ClientRecord] = RecordLog()  # the latest, bounded
         self._health = _HealthWatch(router)
 
     # -- the client API ------------------------------------------------------------------------
 
-    async def generate(self, spec: RequestSpec) -> AsyncGenerator[ClientDelta, None]:
-        """Stream a request's text; raises RetriesExhausted when it fails for good."""
-        params = spec.params
-        if params.n != 1:
-            raise ValueError(f"n={params.n}: the cluster serves n=1 per request")
-        stream = _ClientStream(
-            spec, TextStream(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        )
+    def generate(self, spec: RequestSpec) -> RequestRun:
+        """Drive ``spec`` through the cluster; iterate the result for the client's deltas."""
+        if spec.params.n != 1:
+            raise ValueError(f"n={spec.params.n}: the cluster serves n=1 per request")
+        run = RequestRun()
+        run.start(self._drive(spec, run))
+        return run
+
+    async def _drive(self, spec: RequestSpec, run: RequestRun) -> AsyncGenerator[ClientDelta, None]:
+        stream = ClientStream(spec)
         self.budget.admitted()
         attempts = migrations = 0
         exclusions = Exclusions()
-        status, error = "failed", None
+        status, error = RequestStatus.FAILED, None
         refused = False  # some replica's admission refused it (and is excluded since)
         try:
             while True:
@@ -185,7 +163,8 @@ class Coordinator:
                 try:
                     async for delta in self._run_attempt(attempt, stream, exclusions):
                         yield delta
-                    status = "timed_out" if stream.finish_reason == "timeout" else "finished"
+                    timed_out = stream.finish_reason is FinishReason.DEADLINE
+                    status = RequestStatus.TIMED_OUT if timed_out else RequestStatus.FINISHED
                     return
                 except AttemptFailed as exc:
                     logger.warning("%s failed: %s", attempt.attempt_id, exc)
@@ -201,43 +180,47 @@ class Coordinator:
                     why = self.budget.may_retry(attempts, spec.deadline)
                     if why is not None:
                         error = str(exc)
-                        if why == "deadline passed":
-                            status = "timed_out"
+                        if why is GiveUp.DEADLINE:
+                            status = RequestStatus.TIMED_OUT
+                        elif no_room:
+                            status = RequestStatus.REJECTED
                         raise RetriesExhausted(
                             spec.request_id, why, attempts, str(exc), rejected=no_room
                         ) from exc
                     await asyncio.sleep(self.budget.policy.backoff_s)
         except (asyncio.CancelledError, GeneratorExit):
-            status, error = "cancelled", None
+            status, error = RequestStatus.CANCELLED, None
             raise
         finally:
-            self.records.append(
-                ClientRecord(
-                    request_id=spec.request_id,
-                    status=status,
-                    finish_reason=stream.finish_reason if status != "cancelled" else None,
-                    num_prompt_tokens=len(spec.prompt_token_ids),
-                    num_output_tokens=len(stream.tokens),
-                    attempts=attempts,
-                    migrations=migrations,
-                    arrival=spec.arrival_time,
-                    first_token=stream.first_token_at,
-                    finished=time.time(),
-                    queue_time_s=stream.queue_time_s,
-                    error=error,
-                )
+            record = ClientRecord(
+                request_id=spec.request_id,
+                status=status,
+                finish_reason=stream.finish_reason
+                if status is not RequestStatus.CANCELLED
+                else None,
+                num_prompt_tokens=len(spec.prompt_token_ids),
+                num_output_tokens=len(stream.tokens),
+                attempts=attempts,
+                migrations=migrations,
+                arrival=spec.arrival_time,
+                first_token=stream.first_token_at,
+                finished=time.time(),
+                queue_time_s=stream.queue_time_s,
+                error=error,
             )
+            self.records.append(record)
+            run.record = record
 
     # -- one attempt ---------------------------------------------------------------------------
 
     async def _run_attempt(
-        self, attempt: Attempt, stream: _ClientStream, exclusions: Exclusions
+        self, attempt: Attempt, stream: ClientStream, exclusions: Exclusions
     ) -> AsyncGenerator[ClientDelta, None]:
         spec = attempt.request
         tokens = spec.prompt_token_ids + attempt.resume_output
         route = RouteRequest(
             request_id=attempt.attempt_id,
-            prompt_hashes=prefix_hashes(tokens, self._block_size(), spec.cache_salt, self.model_id),
+            prompt_hashes=self._hashes(tokens, spec.cache_salt),
             num_prompt_tokens=len(tokens),
             exclude_workers=frozenset(exclusions.workers),
             exclude_domains=frozenset(exclusions.domains),
@@ -246,30 +229,22 @@ class Coordinator:
         generators: list[Any] = []
         try:
             if decision.prefill is None:  # colocated, or prefill on the decode worker
-                gen = self._call(decision.decode, "generate", attempt)
+                gen = self.workers[decision.decode].generate(attempt)
                 generators.append(gen)
                 async for delta in self._deliver(gen, decision.decode, stream):
                     yield delta
                 return
-            prefill = self._call(decision.prefill, "prefill", attempt, self.transport)
+            prefill = self.workers[decision.prefill].prefill(attempt)
             generators.append(prefill)
             source: KVSource = await self._next(prefill, decision.prefill)
-            decode = self._call(decision.decode, "decode", attempt, source)
+            decode = self.workers[decision.decode].decode(attempt, source)
             generators.append(decode)
             first: TokenBatch = await self._next(prefill, decision.prefill)
-            handed_off = first.finish_reason == "handed_off"
-            if handed_off:
-                first = TokenBatch(
-                    first.token_ids,
-                    sampler_snapshot=first.sampler_snapshot,
-                    logprobs=first.logprobs,
-                    queue_time_s=first.queue_time_s,
-                )
-            for delta in self._accept(first, decision.prefill, stream):
-                yield delta
-            if not handed_off or stream.finish_reason is not None:
+            if (head := stream.accept(first, decision.prefill)) is not None:
+                yield head
+            if stream.finished:
                 return
-            handoff = self._call(decision.decode, "handoff", attempt.attempt_id, first)
+            handoff = self.workers[decision.decode].handoff(attempt.attempt_id, first)
             await self._await(handoff, decision.decode)
             async for delta in self._deliver(decode, decision.decode, stream):
                 yield delta
@@ -277,13 +252,13 @@ class Coordinator:
             for gen in generators:
                 ray.cancel(gen)  # a worker still streaming this attempt stops and frees KV
 
-    async def _choose(self, route: RouteRequest, deadline: float | None) -> Any:
+    async def _choose(self, route: RouteRequest, deadline: float | None) -> Decision:
         """The router's decision; while the router actor restarts (Ray brings it back, and the
         workers' resyncs rebuild its view) wait for it, up to the deadline."""
         give_up = min(deadline or math.inf, time.time() + ROUTER_RESTART_WAIT_S)
         while True:
             try:
-                return await self.router.choose.remote(route)
+                return await self.router.choose(route)
             except NoReplicaAvailable as exc:
                 why = getattr(exc, "cause", exc)  # the router's message, not Ray's traceback
                 raise AttemptFailed(f"no replica: {why}", no_replica=True) from exc
@@ -291,12 +266,6 @@ class Coordinator:
                 if time.time() >= give_up:
                     raise AttemptFailed(f"router unavailable: {exc}") from exc
                 await asyncio.sleep(0.1)
-
-    def _call(self, worker: str, method: str, *args: Any) -> Any:
-        call = getattr(self.workers[worker], method)
-        if method in _STREAMING:  # a slow client stops the worker's stream, then its engine
-            call = call.options(_generator_backpressure_num_objects=STREAM_AHEAD_BATCHES)
-        return call.remote(*args)
 
     async def _next(self, gen: Any, worker: str) -> Any:
         try:
@@ -341,64 +310,22 @@ class Coordinator:
         raise AttemptFailed(f"{worker} is FAILED (router: missed heartbeats)", worker, True)
 
     async def _deliver(
-        self, gen: Any, worker: str, stream: _ClientStream
+        self, gen: Any, worker: str, stream: ClientStream
     ) -> AsyncGenerator[ClientDelta, None]:
-        while stream.finish_reason is None:
-            batch = await self._next(gen, worker)
-            for delta in self._accept(batch, worker, stream):
+        while not stream.finished:
+            batch: TokenBatch = await self._next(gen, worker)
+            delta = stream.accept(batch, worker)
+            if delta is not None:
                 yield delta
-            if batch.finished and stream.finish_reason is None:
+            if batch.finished and not stream.finished:
                 raise AttemptFailed(f"{worker} ended without a finish reason", worker)
-
-    def _accept(self, batch: TokenBatch, worker: str, stream: _ClientStream) -> list[ClientDelta]:
-        """Take a worker's batch into the client's stream: tokens, snapshot, stop strings."""
-        if batch.error is not None:
-            raise AttemptFailed(f"{worker}: {batch.error}", worker)
-        deltas: list[ClientDelta] = []
-        want_logprobs = stream.spec.params.logprobs is not None
-        for i, token in enumerate(batch.token_ids):
-            if stream.first_token_at is None:
-                stream.first_token_at = time.time()
-                stream.queue_time_s = batch.queue_time_s
-            stream.tokens.append(token)
-            step = stream.text.step(token)
-            logprobs = [batch.logprobs[i]] if want_logprobs and batch.logprobs else None
-            if step.text or not deltas:
-                deltas.append(ClientDelta([token], step.text, logprobs=logprobs))
-            else:
-                deltas[-1].token_ids.append(token)
-                if logprobs is not None and deltas[-1].logprobs is not None:
-                    deltas[-1].logprobs.extend(logprobs)
-            if step.stop_matched is not None:
-                stream.finish_reason = "stop"
-                break
-        if batch.sampler_snapshot is not None:
-            stream.snapshot = batch.sampler_snapshot
-        elif batch.token_ids:
-            # Greedy requests carry no per-token snapshots (only the prefill's, after token 1):
-            # one from before these tokens would misalign a migration, which then rebuilds the
-            # sampler from the tokens alone (all a greedy request needs).
-            stream.snapshot = None
-        if stream.finish_reason is None and batch.finished:
-            if batch.finish_reason in (None, "handed_off", "error", "abort", "timeout"):
-                if batch.finish_reason == "timeout":
-                    stream.finish_reason = "timeout"
-                elif batch.finish_reason != "handed_off":
-                    raise AttemptFailed(
-                        f"{worker} ended the attempt: {batch.finish_reason}", worker
-                    )
-            else:
-                stream.finish_reason = batch.finish_reason
-        if stream.finish_reason is not None:
-            tail = stream.text.finish()
-            deltas.append(ClientDelta([], tail, finished=True, finish_reason=stream.finish_reason))
-        return deltas
 
     async def _report_dead(self, worker: str) -> None:
         try:
-            await self.router.worker_failed.remote(worker)
+            await self.router.worker_failed(worker)
         except Exception:
             logger.warning("could not tell the router that %s failed", worker, exc_info=True)
 
-    def _block_size(self) -> int:
-        return next(iter(self.infos.values())).block_size
+    def _hashes(self, tokens: list[int], cache_salt: str) -> list[int]:
+        block_size = next(iter(self.infos.values())).block_size
+        return prefix_hashes(tokens, block_size, cache_salt, self.model_id)

@@ -19,17 +19,19 @@ import os
 import uuid
 from collections.abc import AsyncGenerator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import ray
 
-from cluster.faults import FaultPlan, FaultPoint
-from cluster.messages import Attempt, TokenBatch, WorkerInfo, WorkerLoad
-from cluster.roles import Role
+from contracts.actors import NAMESPACE, RouterClient, WorkerAPI
+from contracts.faults import FaultPlan, FaultPoint
+from contracts.messages import Attempt, TokenBatch, WorkerInfo, WorkerLoad
+from contracts.roles import Role
 from engine.async_engine import AsyncLLMEngine, BackpressureStats
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, StreamOutput
+from engine.engine import StreamOutput
 from engine.kv_cache_manager import KVStats
-from engine.kv_events import KVEvent, KVEventKind
+from engine.kv_events import KVEvent
 from engine.request import TerminalRecord
 
 logger = logging.getLogger(__name__)
@@ -41,8 +43,10 @@ ENGINE_SILENCE_S = 60.0
 def batch_of(out: StreamOutput) -> TokenBatch:
     return TokenBatch(
         token_ids=list(out.token_ids),
+        text=out.text,
         finished=out.finished,
         finish_reason=out.finish_reason,
+        error=out.error,
         sampler_snapshot=out.sampler_snapshot,
         logprobs=out.logprobs,
         queue_time_s=out.queue_time_s,
@@ -50,7 +54,7 @@ def batch_of(out: StreamOutput) -> TokenBatch:
 
 
 class EngineWorker:
-    """Base class of the worker actors (not an actor itself: Ray wraps the subclasses)."""
+    """Base class of the worker actors, and the colocated worker (Ray wraps the classes)."""
 
     role: Role = Role.COLOCATED
 
@@ -63,20 +67,19 @@ class EngineWorker:
         engine_config: EngineConfig,
         router: str | None = None,  # the router actor's name; None in tests that drive workers
         report_interval_s: float = 0.05,
-        namespace: str = "tandem",
+        namespace: str = NAMESPACE,
     ) -> None:
         self.name = name
         self.domain = domain
         self.incarnation = uuid.uuid4().hex[:12]
-        engine = LLMEngine.from_checkpoint(Path(model_dir), engine_config, model_id=model_id)
-        engine.kv.pool.record_events()
-        self.engine = AsyncLLMEngine(engine)
-        self.block_size = engine_config.block_size
-        self.max_model_len = engine.max_model_len
-        self.vocab_size = engine.model_config.vocab_size
+        self.engine = AsyncLLMEngine.from_checkpoint(
+            Path(model_dir), engine_config, model_id=model_id, kv_events=True
+        )
         # By name, not handle: a handle among the constructor's arguments would live in the
         # object store, and Ray cannot restart an actor whose arguments were lost.
-        self.router = None if router is None else ray.get_actor(router, namespace=namespace)
+        self.router = (
+            None if router is None else RouterClient(ray.get_actor(router, namespace=namespace))
+        )
         self.report_interval_s = report_interval_s
         self.faults = FaultPlan()
         self._changed: asyncio.Event | None = None  # created on the actor's loop
@@ -107,10 +110,10 @@ class EngineWorker:
             role=self.role,
             domain=self.domain,
             kv_address=self.kv_address(),
-            block_size=self.block_size,
+            block_size=self.engine.block_size,
             incarnation=self.incarnation,
-            max_model_len=self.max_model_len,
-            vocab_size=self.vocab_size,
+            max_model_len=self.engine.max_model_len,
+            vocab_size=self.engine.vocab_size,
         )
 
     async def set_faults(self, plan: FaultPlan) -> None:
@@ -125,28 +128,19 @@ class EngineWorker:
 
     async def _read_state(self, resync: bool) -> tuple[WorkerLoad, list[KVEvent]]:
         """The load and the KV events since the last read, in one engine call (it runs between
-        two steps). ``resync``: CLEARED, then everything cached now, instead of the events -- a
-        router that missed reports (its restart, ours) rebuilds this worker's index exactly
-        from it (P12)."""
-
-        def read(e: LLMEngine) -> tuple[int, int, list[KVEvent]]:
-            events = e.kv.pool.take_events()
-            if resync:  # superseded by the snapshot
-                cached = tuple(e.kv.pool.cached_hashes())
-                events = [KVEvent(KVEventKind.CLEARED), KVEvent(KVEventKind.STORED, cached)]
-            return e.scheduler.num_waiting, e.scheduler.num_running, events
-
-        queue, running, events = await self.engine.call(read)
+        two steps). ``resync``: a router that missed reports (its restart, ours) rebuilds this
+        worker's index exactly from it (docs/design.md#router-view)."""
+        engine = await self.engine.load(resync)
         stats = self.engine.kv_stats()
         load = WorkerLoad(
             name=self.name,
             incarnation=self.incarnation,
-            queue_depth=queue,
-            num_running=running,
+            queue_depth=engine.num_waiting,
+            num_running=engine.num_running,
             kv_usage=stats.in_use_blocks / stats.total_blocks,
             prefix_hit_ratio=stats.prefix_hit_ratio,
         )
-        return load, events
+        return load, engine.kv_events
 
     async def _report_loop(self) -> None:
         """Push load and KV events to the router, as a heartbeat too. The first report, the first
@@ -185,7 +179,7 @@ class EngineWorker:
                 load = None  # a hung engine: fall silent
             try:
                 if self.router is not None and load is not None:
-                    if await self.router.report.remote(self.info(), load, events):
+                    if await self.router.report(self.info(), load, events):
                         self._resyncs_done = max(self._resyncs_done, answered)
                     else:  # ignored while FAILED: the router's view of us starts over
                         self._resyncs_asked += 1
@@ -242,11 +236,9 @@ class EngineWorker:
         return self.engine.records()
 
     async def check_idle(self) -> KVStats:
-        """The P1 leak check: wait until nothing runs, then every pool must be at baseline
+        """The leak check: wait until nothing runs, then every pool must be at baseline
         (raises KVInvariantError otherwise). Leases still held count as leaks here."""
-        await self.engine.wait_idle()
-        await self.engine.call(lambda e: e.kv.check_idle())
-        return self.engine.kv_stats()
+        return await self.engine.check_idle()
 
     async def backpressure_stats(self) -> BackpressureStats:
         """How often a slow consumer paused a request here, and the deepest buffer it saw."""
@@ -258,3 +250,7 @@ class EngineWorker:
 
     async def pid(self) -> int:
         return os.getpid()
+
+
+if TYPE_CHECKING:  # mypy checks that the actor serves its interface
+    _: type[WorkerAPI] = EngineWorker

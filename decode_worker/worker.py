@@ -22,46 +22,32 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from cluster.messages import Attempt, KVPullFailed, KVSource, TokenBatch
-from cluster.roles import Role
 from cluster.worker import EngineWorker
-from kv_transfer import KVTransport, make_transport
+from contracts.actors import DecodeAPI
+from contracts.messages import Attempt, KVPullFailed, KVSource, TokenBatch, TransferRecord
+from contracts.roles import Role
+from kv_transfer import Transport, make_transport
 from kv_transfer.errors import KVPeerUnavailable, KVTransferError
 from kv_transfer.exporter import ReleaseReason
-from kv_transfer.format import KVLayout, LayerChunk, TransferKey, write_layer
+from kv_transfer.format import LayerChunk, TransferKey
 
 TRANSFER_RECORDS_KEPT = 10_000
-
-
-@dataclass(frozen=True)
-class TransferRecord:
-    seq: int  # 1, 2, ... per worker incarnation: ``transfer_records(after=seq)`` resumes here
-    attempt_id: str
-    transport: str
-    num_bytes: int
-    started: float  # time.time() when the pull began (right after admission here)
-    finished: float  # when the last layer was written and verified
 
 
 class DecodeWorker(EngineWorker):
     role = Role.DECODE
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, transport: Transport = Transport.GRPC, **kwargs: Any) -> None:
+        """``transport``: what this worker pulls KV over (the topology's, resolved)."""
         super().__init__(*args, **kwargs)
-        self.layout = KVLayout.from_cache(self.engine.engine.runner.kv_cache)
-        self._transports: dict[str, KVTransport] = {}
+        self.transport_kind = Transport(transport)
+        self.transport = make_transport(self.transport_kind, puller_id=self.name)
         self._handoffs: dict[str, asyncio.Future[TokenBatch]] = {}
         # The latest pulls (bounded: a long-running worker keeps only these).
         self.transfers: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS_KEPT)
         self._transfer_seq = 0
-
-    def _transport(self, kind: str) -> KVTransport:
-        if kind not in self._transports:
-            self._transports[kind] = make_transport(kind, puller_id=self.name)
-        return self._transports[kind]
 
     def _handoff(self, attempt_id: str) -> asyncio.Future[TokenBatch]:
         if attempt_id not in self._handoffs:
@@ -93,16 +79,12 @@ class DecodeWorker(EngineWorker):
             try:
                 await self._pull(source, key, blocks, spec.deadline)
                 first = await handoff
-                await self.engine.call(
-                    lambda e: e.finish_import(
-                        aid,
-                        next_token=first.token_ids[-1],
-                        sampler_snapshot=first.sampler_snapshot,
-                    )
+                await self.engine.finish_import(
+                    aid, next_token=first.token_ids[-1], sampler_snapshot=first.sampler_snapshot
                 )
             except BaseException as exc:
                 reason = f"KV import failed: {exc!r}"
-                await asyncio.shield(self.engine.call(lambda e: e.finish_import(aid, error=reason)))
+                await asyncio.shield(self.engine.finish_import(aid, error=reason))
                 await stream.aclose()
                 raise
             async for batch in self._relay(stream, attempt):
@@ -115,16 +97,15 @@ class DecodeWorker(EngineWorker):
         self, source: KVSource, key: TransferKey, blocks: list[int], deadline: float | None
     ) -> None:
         """Pull and write every layer (in a thread: the transports block), then ack."""
-        kv_cache = self.engine.engine.runner.kv_cache
-        transport = self._transport(source.transport)
+        transport = self.transport
 
         def sink(chunk: LayerChunk) -> None:  # only verified chunks arrive here
-            write_layer(kv_cache, chunk.layer, blocks, chunk.payload)
+            self.engine.write_kv_layer(chunk.layer, blocks, chunk.payload)
 
         started = time.time()
         try:
             header = await asyncio.to_thread(
-                transport.pull, source.address, key, self.layout, sink, deadline
+                transport.pull, source.address, key, self.engine.kv_layout, sink, deadline
             )
         except KVTransferError as exc:
             dead = isinstance(exc, KVPeerUnavailable)
@@ -136,8 +117,8 @@ class DecodeWorker(EngineWorker):
             TransferRecord(
                 seq=self._transfer_seq,
                 attempt_id=key.attempt_id,
-                transport=source.transport,
-                num_bytes=header.layer_nbytes * self.layout.num_layers,
+                transport=self.transport_kind.value,
+                num_bytes=header.layer_nbytes * self.engine.kv_layout.num_layers,
                 started=started,
                 finished=done,
             )
@@ -146,3 +127,7 @@ class DecodeWorker(EngineWorker):
     async def transfer_records(self, after: int = 0) -> list[TransferRecord]:
         """The completed pulls kept, those with ``seq > after`` (benchmarks, metrics)."""
         return [r for r in self.transfers if r.seq > after]
+
+
+if TYPE_CHECKING:  # mypy checks that the actor serves its interface
+    _: type[DecodeAPI] = DecodeWorker

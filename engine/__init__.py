@@ -1,1 +1,1 @@
-"""Tandem engine package."""
+"""The engine: paged-KV continuous batching over one model on one device (state machine, block pool, KV cache manager, scheduler, model runner, sampler, detokenizer) and the async engine workers drive."""

@@ -34,10 +34,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import torch
+
+from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestRejected, StreamOutput
-from engine.kv_cache_manager import KVStats
+from engine.kv_cache_manager import KVStats, prefix_hashes
+from engine.kv_events import KVEvent, KVEventKind
+from engine.kv_layout import KVLayout, extract_layer, write_layer
 from engine.request import RecordLog, Request, TerminalRecord
+from engine.sampler import SamplingSnapshot
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -56,6 +62,21 @@ class BackpressureStats:
     max_buffered: int  # deepest any request buffer got (never above max_buffered_outputs)
 
 
+@dataclass(frozen=True)
+class EngineLoad:
+    """What a worker reports to the router: its queue, its batch, and the prefix-cache events
+    since the last read (or, for a resync, CLEARED then everything cached now)."""
+
+    num_waiting: int
+    num_running: int
+    kv_events: list[KVEvent]
+
+
+# Called on the engine thread with (layer, the request's block table) once the forward of the
+# request's last prompt chunk has written that layer's KV.
+LayerListener = Callable[[int, list[int]], None]
+
+
 def _merge(older: list[StreamOutput], newer: list[StreamOutput]) -> list[StreamOutput]:
     """Fold one tick's deltas into the entry before it, sequence by sequence."""
     merged = {o.request_id: o for o in older}
@@ -70,6 +91,7 @@ def _merge(older: list[StreamOutput], newer: list[StreamOutput]) -> list[StreamO
                 text=prev.text + o.text,
                 finished=o.finished,
                 finish_reason=o.finish_reason,
+                error=o.error,
                 logprobs=None if both_none else (prev.logprobs or []) + (o.logprobs or []),
                 sampler_snapshot=o.sampler_snapshot or prev.sampler_snapshot,
                 queue_time_s=prev.queue_time_s if o.queue_time_s is None else o.queue_time_s,
@@ -190,13 +212,19 @@ class AsyncLLMEngine:
     """Streams requests of many asyncio consumers through one :class:`LLMEngine`.
 
     ``engine`` belongs to the engine thread: read it only while :meth:`wait_idle` holds or
-    after :meth:`shutdown`. Thread-safe views: :meth:`kv_stats`, :meth:`records`.
+    after :meth:`shutdown`. Thread-safe views: :meth:`kv_stats`, :meth:`records`. What a
+    disaggregated worker needs beyond requests (the KV layout, reading and writing a layer's
+    blocks, layer-ready notifications, load and KV events, finishing an import, releasing a
+    lease) is the "worker surface" below: workers never reach into ``engine``.
     """
 
     def __init__(self, engine: LLMEngine, *, max_buffered_outputs: int = 64) -> None:
         if max_buffered_outputs < 1:
             raise ValueError(f"max_buffered_outputs={max_buffered_outputs}: must be >= 1")
         self.engine = engine
+        # request id -> listener; added and removed on the event loop, read by the engine thread
+        # (single dict operations, atomic in CPython).
+        self._layer_listeners: dict[str, LayerListener] = {}
         self.max_buffered_outputs = max_buffered_outputs
         # Guarded by _cond: the command queue, the lifecycle flags and the idle waiters.
         self._cond = threading.Condition()
@@ -223,10 +251,15 @@ class AsyncLLMEngine:
         path: str | Path,
         config: EngineConfig | None = None,
         *,
+        model_id: str | None = None,
+        kv_events: bool = False,
         max_buffered_outputs: int = 64,
     ) -> AsyncLLMEngine:
-        """Load a local checkpoint (see LLMEngine.from_checkpoint) and start the engine thread."""
-        engine = LLMEngine.from_checkpoint(path, config)
+        """Load a local checkpoint (see LLMEngine.from_checkpoint) and start the engine thread.
+        ``kv_events``: record prefix-cache events for :meth:`load` (a router's index)."""
+        engine = LLMEngine.from_checkpoint(path, config, model_id=model_id)
+        if kv_events:
+            engine.kv.pool.record_events()
         return cls(engine, max_buffered_outputs=max_buffered_outputs)
 
     # -- the protocol --------------------------------------------------------------------------
@@ -316,6 +349,99 @@ class AsyncLLMEngine:
         self._submit(_Call(fn, loop, future))
         return await future
 
+    # -- the worker surface --------------------------------------------------------------------
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.engine.runner.kv_layout
+
+    @property
+    def block_size(self) -> int:
+        return self.engine.config.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.kv.model_id
+
+    def block_hashes(self, token_ids: Sequence[int], cache_salt: str) -> list[int]:
+        """The prefix-cache hashes of ``token_ids``' full blocks, as this engine keys them."""
+        return prefix_hashes(token_ids, self.block_size, cache_salt, self.model_id)
+
+    def read_kv_layer(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
+        """One layer of ``block_ids``' KV (a copy). Any thread, for blocks the caller holds
+        (leased, or reserved for its import): the engine neither writes nor frees them then."""
+        return extract_layer(self.engine.runner.kv_cache, layer, block_ids)
+
+    def write_kv_layer(self, layer: int, block_ids: Sequence[int], payload: torch.Tensor) -> None:
+        """Write one layer of imported KV into ``block_ids`` (blocks reserved for a request in
+        WAITING_FOR_KV, which no step reads). Any thread. Raises LayoutMismatch."""
+        write_layer(self.engine.runner.kv_cache, layer, block_ids, payload)
+
+    def watch_layers(self, request_id: str, listener: LayerListener) -> None:
+        """Call ``listener(layer, block_table)`` on the engine thread as the forward of
+        ``request_id``'s last prompt chunk writes each layer (a prefill worker streams a layer
+        while later layers compute). Until :meth:`unwatch_layers`."""
+        self.engine.runner.layer_hook = self._on_layer
+        self._layer_listeners[request_id] = listener
+
+    def unwatch_layers(self, request_id: str) -> None:
+        self._layer_listeners.pop(request_id, None)
+
+    def _on_layer(self, layer: int, out: SchedulerOutput) -> None:
+        for chunk in out.chunks:
+            listener = self._layer_listeners.get(chunk.request_id)
+            if listener is not None and chunk.sample:
+                listener(layer, chunk.block_table)
+
+    async def load(self, resync: bool = False) -> EngineLoad:
+        """The queue, the batch and the prefix-cache events since the last call, read between
+        two steps. ``resync``: CLEARED then everything cached now instead of the events, from
+        which a router that missed reports rebuilds its index of this engine exactly."""
+
+        def read(e: LLMEngine) -> EngineLoad:
+            events = e.kv.pool.take_events()
+            if resync:  # superseded by the snapshot
+                cached = tuple(e.kv.pool.cached_hashes())
+                events = [KVEvent(KVEventKind.CLEARED), KVEvent(KVEventKind.STORED, cached)]
+            return EngineLoad(e.scheduler.num_waiting, e.scheduler.num_running, events)
+
+        return await self.call(read)  # type: ignore[no-any-return]
+
+    async def finish_import(
+        self,
+        request_id: str,
+        *,
+        next_token: int | None = None,
+        sampler_snapshot: SamplingSnapshot | None = None,
+        error: str | None = None,
+    ) -> None:
+        """See :meth:`LLMEngine.finish_import`: the imported KV is in (decode from
+        ``next_token``), or the import failed (``error``: the request ends FAILED)."""
+        await self.call(
+            lambda e: e.finish_import(
+                request_id, next_token=next_token, sampler_snapshot=sampler_snapshot, error=error
+            )
+        )
+
+    async def release_kv(self, request_id: str) -> bool:
+        """End the lease on a handed-off request's blocks; False if already released."""
+        return await self.call(lambda e: e.release_kv(request_id))  # type: ignore[no-any-return]
+
+    async def check_idle(self) -> KVStats:
+        """The leak check: wait until nothing runs, then every pool must be at baseline
+        (raises KVInvariantError otherwise; leases still held count as leaks)."""
+        await self.wait_idle()
+        await self.call(lambda e: e.kv.check_idle())
+        return self.kv_stats()
+
     @staticmethod
     def _new_id(request_id: str | None) -> str:
         if request_id is not None and "#" in request_id:
@@ -338,7 +464,7 @@ class AsyncLLMEngine:
                 self._submit(_Abort(rid))  # no await here: this may run under GeneratorExit
 
     async def abort(self, request_id: str) -> None:
-        """Cancel a request; its stream ends with finish_reason "abort". Unknown ids: no-op."""
+        """Cancel a request; its stream ends with FinishReason.CANCELLED. Unknown ids: no-op."""
         self._submit(_Abort(request_id))
 
     def kv_stats(self) -> KVStats:

@@ -1,11 +1,9 @@
 """Attention over a paged KV cache, for one flattened varlen batch.
 
-KV layout of one layer (``kv_cache[layer, 0]`` is K, ``kv_cache[layer, 1]`` is V)::
-
-    [num_blocks, block_size, kv_heads, head_dim]
-      token at position p of a sequence -> block  table[p // block_size],
-                                           offset p % block_size
-      flat slot = block * block_size + offset  (the slot mapping of engine/batch.py)
+The cache layout is engine/kv_layout.py's; one layer's K (or V) is
+``[num_blocks, block_size, kv_heads, head_dim]``, and the token at position p of a sequence
+sits in flat slot ``table[p // block_size] * block_size + p % block_size`` (the slot mapping of
+engine/batch.py).
 
 A block is one contiguous run of memory, so gathering a sequence's blocks is a row
 ``index_select`` (the fast path), and the result viewed as ``[kv_heads, ctx, head_dim]`` is a

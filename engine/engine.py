@@ -41,7 +41,8 @@ class StreamOutput:
     token_ids: list[int]
     text: str
     finished: bool = False
-    finish_reason: str | None = None  # the OpenAI finish_reason once finished
+    finish_reason: FinishReason | None = None  # once finished
+    error: str | None = None  # with FinishReason.ERROR: what failed (for logs)
     logprobs: list[TokenLogprobs] | None = None
     # The sampler state after token_ids, for requests that asked (a migration resumes from it)
     # and on the final output of a prefill-only request (the decode worker continues from it).
@@ -59,7 +60,7 @@ class CompletionOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str
+    finish_reason: FinishReason
     record: TerminalRecord
     logprobs: list[TokenLogprobs] | None
     timing: dict[str, Any] = field(default_factory=dict)
@@ -401,12 +402,18 @@ class LLMEngine:
         seq = self._seqs.pop(rid)
         req = seq.request
         now = time.time()
-        tail = seq.detok.finish() if req.status == RequestStatus.FINISHED else ""
+        # Held-back text is released only when the request ends for its client: a hand-off's
+        # decode worker holds the same text back and releases it in its place.
+        done = (
+            req.status is RequestStatus.FINISHED
+            and req.finish_reason is not FinishReason.HANDED_OFF
+        )
+        tail = seq.detok.finish() if done else ""
         self._record_emits(seq, seq.detok.num_emitted, now)
         record = self.scheduler.reclaim(rid)
         record = record or req.record
         assert record is not None, f"{rid}: terminal without a record"
-        reason = req.finish_reason.openai if req.finish_reason else "error"
+        reason = req.finish_reason or FinishReason.ERROR
         self._finished.append(
             CompletionOutput(
                 request_id=rid,
@@ -428,7 +435,14 @@ class LLMEngine:
         )
         snap = seq.sampling.snapshot() if req.prefill_only or seq.snapshots else None
         return StreamOutput(
-            rid, seq.index, [], tail, finished=True, finish_reason=reason, sampler_snapshot=snap
+            rid,
+            seq.index,
+            [],
+            tail,
+            finished=True,
+            finish_reason=reason,
+            error=req.error,
+            sampler_snapshot=snap,
         )
 
     # -- offline API ---------------------------------------------------------------------------

@@ -213,7 +213,7 @@ class DecoderModel:
 
         Args:
             input_ids, positions: ``[T]`` long, rows ordered as ``meta`` describes.
-            kv_cache: ``[layers, 2, num_blocks, block_size, kv_heads, head_dim]``.
+            kv_cache: the paged cache (engine/kv_layout.py).
             sample_rows: ``[S]`` long, rows whose next-token logits are wanted.
         Returns:
             ``[S, vocab]`` float32 logits.

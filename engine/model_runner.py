@@ -1,10 +1,7 @@
 """The model runner: owns the paged KV cache (device + host swap space) and runs one step.
 
-Cache tensor (all layers, K and V together, so a block copy or swap is one indexing op)::
-
-    kv_cache[layer, 0 = K | 1 = V, block, offset_in_block, kv_head, head_dim]
-
-The host copy has the same layout with ``num_host_blocks`` blocks (pinned on CUDA).
+The cache is laid out as engine/kv_layout.py describes (``self.kv_layout``); the host copy has
+the same layout with ``num_host_blocks`` blocks (pinned on CUDA).
 """
 
 from __future__ import annotations
@@ -18,6 +15,7 @@ from engine import kernels
 from engine.attention import AttentionMetadata, PrefillSeq
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.config import EngineConfig
+from engine.kv_layout import KVLayout
 from engine.loader import LoadedCheckpoint
 from engine.model import DecoderModel
 
@@ -52,6 +50,7 @@ class ModelRunner:
             dtype=mc.dtype,
             pin_memory=device.type == "cuda",
         )
+        self.kv_layout = KVLayout.from_cache(self.kv_cache)
         self._workspace = torch.empty(self._workspace_shape(0), dtype=mc.dtype, device=device)
         # Called with (layer index, the step's SchedulerOutput) once that layer's K/V of the
         # step is written: a prefill worker streams a layer while later layers compute.

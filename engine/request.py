@@ -103,28 +103,11 @@ class FinishReason(enum.Enum):
     HANDED_OFF = "handed_off"
 
     @property
-    def openai(self) -> str:
-        """The OpenAI API's ``finish_reason`` for this reason."""
-        return _OPENAI_REASON[self]
-
-    @property
     def status(self) -> RequestStatus:
         """The terminal status a request ending for this reason enters."""
         return _REASON_STATUS.get(self, RequestStatus.FINISHED)
 
 
-_OPENAI_REASON = {
-    FinishReason.EOS: "stop",
-    FinishReason.STOP_TOKEN: "stop",
-    FinishReason.STOP_STRING: "stop",
-    FinishReason.MAX_TOKENS: "length",
-    FinishReason.CONTEXT_LIMIT: "length",
-    FinishReason.CANCELLED: "abort",
-    FinishReason.DEADLINE: "timeout",
-    FinishReason.ERROR: "error",
-    FinishReason.REJECTED: "rejected",
-    FinishReason.HANDED_OFF: "handed_off",
-}
 _REASON_STATUS = {
     FinishReason.CANCELLED: RequestStatus.CANCELLED,
     FinishReason.DEADLINE: RequestStatus.TIMED_OUT,

@@ -6,6 +6,6 @@ gRPC; ``torch_transport`` pulls payloads over torch.distributed pair groups unde
 control stream; ``transport`` is the interface both clients implement.
 """
 
-from kv_transfer.transport import KVTransport, TransportKind, make_transport
+from kv_transfer.transport import KVTransport, Transport, make_transport
 
-__all__ = ["KVTransport", "TransportKind", "make_transport"]
+__all__ = ["KVTransport", "Transport", "make_transport"]

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from engine.kv_layout import LayoutMismatch
+
 
 class KVTransferError(Exception):
     """Base of every KV transfer failure."""
@@ -32,7 +34,7 @@ class KVUnknownTransfer(KVTransferError):
     """The peer holds no such transfer (never published, or already released)."""
 
 
-class KVLayoutMismatch(KVTransferError):
+class KVLayoutMismatch(KVTransferError, LayoutMismatch):
     """Sender and receiver caches differ in a layout field."""
 
 

@@ -16,10 +16,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from enum import Enum, StrEnum
+from enum import StrEnum
 
 import torch
 
+from contracts.faults import Fault, FaultAction
 from kv_transfer.errors import KVTransferAborted, KVTransferTimeout, KVUnknownTransfer
 from kv_transfer.format import (
     LayerChunk,
@@ -43,24 +44,11 @@ class ReleaseReason(StrEnum):
     FAILED = "failed"  # the prefill itself failed
 
 
-class FaultKind(Enum):
-    CORRUPT = "corrupt"  # flip one byte of the message (checksums left as computed)
-    TRUNCATE = "truncate"  # send only the first half of the message's bytes
-    DROP = "drop"  # skip the message
-    DELAY = "delay"  # sleep ``delay_s`` first
-    CLOSE = "close"  # end the stream cleanly here: nothing more, no trailer
-
-
-@dataclass(frozen=True)
-class FaultAction:
-    kind: FaultKind
-    delay_s: float = 0.0
-
-
 # (key, index of the message about to go out: 0 = header, 1..L = layer 0..L-1, L + 1 = trailer)
-# -> what to do to it (None: send it as is). Runs in the server thread right before the message
+# -> the fault to apply to it (None: send it as is): STALL, DROP, RAISE (end the stream here),
+# CORRUPT or TRUNCATE (contracts.faults). Runs in the server thread right before the message
 # is sent, so it may also release or fail the export to abort the stream at exactly that point.
-FaultHook = Callable[[TransferKey, int], FaultAction | None]
+FaultHook = Callable[[TransferKey, int], Fault | None]
 
 
 @dataclass(frozen=True)
@@ -262,14 +250,16 @@ class KVExportRegistry:
             # any byte read from possibly-reused blocks leaves.
             export.check_live()
             if action is not None:
-                if action.kind is FaultKind.DELAY:
-                    export.pause(action.delay_s, deadline, cancelled)
-                elif action.kind is FaultKind.DROP:
+                if action.action is FaultAction.STALL:
+                    export.pause(action.seconds, deadline, cancelled)
+                elif action.action is FaultAction.DROP:
                     continue
-                elif action.kind is FaultKind.CLOSE:
+                elif action.action is FaultAction.RAISE:
                     return
+                elif action.action in (FaultAction.CORRUPT, FaultAction.TRUNCATE):
+                    item = _damage(item, action.action)
                 else:
-                    item = _damage(item, action.kind)
+                    raise ValueError(f"the KV sender cannot apply {action.action}")
             if cancelled():
                 return
             yield index, item
@@ -280,16 +270,16 @@ class KVExportRegistry:
                 del self._exports[export.key]
 
 
-def _damage(item: Frame | LayerChunk, kind: FaultKind) -> Frame | LayerChunk:
+def _damage(item: Frame | LayerChunk, kind: FaultAction) -> Frame | LayerChunk:
     """A copy of ``item`` with one byte flipped (CORRUPT) or its bytes halved (TRUNCATE)."""
     if isinstance(item, Frame):
         data = bytearray(item.data)
-        if kind is FaultKind.TRUNCATE:
+        if kind is FaultAction.TRUNCATE:
             return Frame(item.kind, bytes(data[: len(data) // 2]))
         data[len(data) // 2] ^= 0xFF
         return Frame(item.kind, bytes(data))
     flat = item.payload.contiguous().view(torch.uint8).reshape(-1)
-    if kind is FaultKind.TRUNCATE:
+    if kind is FaultAction.TRUNCATE:
         return LayerChunk(item.layer, flat[: flat.numel() // 2].clone(), item.checksums)
     bad = flat.clone()
     bad[bad.numel() // 2] ^= 0xFF

@@ -29,10 +29,11 @@ from typing import Any
 import grpc
 import torch
 
+from engine.kv_layout import KVLayout
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.errors import KVTransferError
 from kv_transfer.exporter import Frame, KVExportRegistry, ReleaseReason
-from kv_transfer.format import KVLayout, LayerChunk, TransferHeader, TransferKey
+from kv_transfer.format import LayerChunk, TransferHeader, TransferKey
 from kv_transfer.memory import keep_transfer_buffers_resident
 from kv_transfer.torch_transport import DEFAULT_TIMEOUT_S, PairGroupHost, PendingOp, payload_bytes
 from kv_transfer.wire import (

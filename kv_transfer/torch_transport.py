@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from engine.kv_layout import KVLayout
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.errors import (
     KVIntegrityError,
@@ -37,7 +38,7 @@ from kv_transfer.errors import (
     KVTruncatedError,
 )
 from kv_transfer.exporter import ReleaseReason
-from kv_transfer.format import KVLayout, LayerChunk, TransferHeader, TransferKey
+from kv_transfer.format import LayerChunk, TransferHeader, TransferKey
 from kv_transfer.wire import Channels, Sink, StreamReader
 
 Tensor = torch.Tensor

@@ -5,14 +5,23 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable
-from typing import Literal, Protocol
+from enum import StrEnum
+from typing import Protocol
 
+from engine.kv_layout import KVLayout
 from kv_transfer.exporter import ReleaseReason
-from kv_transfer.format import KVLayout, LayerChunk, TransferHeader, TransferKey
+from kv_transfer.format import LayerChunk, TransferHeader, TransferKey
 from kv_transfer.grpc_transport import GrpcKVClient
 from kv_transfer.torch_transport import TorchKVClient
 
-TransportKind = Literal["grpc", "torch"]
+
+class Transport(StrEnum):
+    """What carries KV payloads between a prefill and a decode worker (the topology's
+    ``transport``). The control stream is gRPC in both modes."""
+
+    AUTO = "auto"  # TORCH where the prefill and decode workers have CUDA, else GRPC
+    GRPC = "grpc"
+    TORCH = "torch"  # torch.distributed: NCCL when both sides have CUDA, gloo on CPU
 
 
 class KVTransport(Protocol):
@@ -30,13 +39,14 @@ class KVTransport(Protocol):
     def close(self) -> None: ...
 
 
-def make_transport(kind: str, puller_id: str | None = None) -> KVTransport:
-    """A client for ``kind`` ("grpc" or "torch"). ``puller_id`` names this puller to senders
+def make_transport(kind: Transport | str, puller_id: str | None = None) -> KVTransport:
+    """A client for ``kind`` (GRPC or TORCH; AUTO is resolved by whoever knows the workers'
+    devices, before this). ``puller_id`` names this puller to senders
     (what ``KVExportRegistry.peer_dead`` matches); pass the worker's name. The default is unique
     per call, so peer-death releases only work with an explicit one."""
     pid = puller_id if puller_id is not None else f"puller-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    if kind == "grpc":
+    if kind == Transport.GRPC:
         return GrpcKVClient(pid)
-    if kind == "torch":
+    if kind == Transport.TORCH:
         return TorchKVClient(pid)
     raise ValueError(f"transport kind {kind!r} is not 'grpc' or 'torch'")

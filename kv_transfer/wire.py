@@ -23,10 +23,12 @@ import numpy as np
 import torch
 from google.protobuf.message import DecodeError
 
+from engine.kv_layout import KVLayout, LayoutMismatch, byte_view
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.errors import (
     KVFrameError,
     KVIntegrityError,
+    KVLayoutMismatch,
     KVPeerUnavailable,
     KVTransferAborted,
     KVTransferError,
@@ -36,11 +38,9 @@ from kv_transfer.errors import (
 )
 from kv_transfer.exporter import Frame, ReleaseReason
 from kv_transfer.format import (
-    KVLayout,
     LayerChunk,
     TransferHeader,
     TransferKey,
-    byte_view,
     check_layer_order,
     decode_header,
     decode_trailer,
@@ -272,7 +272,10 @@ class StreamReader:
         header = decode_header(data)
         if header.key != self.key:
             raise KVIntegrityError(f"asked for transfer {self.key}, got a header for {header.key}")
-        self.layout.check_compatible(header.layout)
+        try:
+            self.layout.check_compatible(header.layout)
+        except LayoutMismatch as exc:
+            raise KVLayoutMismatch(str(exc)) from None
         self.header = header
         self.started(header)
 

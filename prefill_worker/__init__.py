@@ -1,1 +1,1 @@
-"""Tandem prefill_worker package."""
+"""The prefill worker actor: computes a request's KV and first token and serves the KV to a decode worker under a lease."""

@@ -19,26 +19,18 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncGenerator
-from typing import Any
+from collections.abc import AsyncGenerator, Callable
+from typing import TYPE_CHECKING, Any
 
-from cluster.faults import FaultAction, FaultPoint
-from cluster.messages import Attempt, KVSource, TokenBatch, WorkerInfo
-from cluster.roles import Role
 from cluster.worker import EngineWorker
-from engine.batch import SchedulerOutput
-from engine.kv_cache_manager import prefix_hashes
-from kv_transfer.exporter import FaultAction as TransferFault
-from kv_transfer.exporter import FaultKind, KVExportRegistry, ReleaseReason
-from kv_transfer.format import KVLayout, TransferHeader, TransferKey, extract_layer
+from contracts.actors import PrefillAPI
+from contracts.faults import Fault, FaultPoint
+from contracts.messages import Attempt, KVSource, TokenBatch, WorkerInfo
+from contracts.roles import Role
+from engine.request import FinishReason
+from kv_transfer.exporter import Export, KVExportRegistry, ReleaseReason
+from kv_transfer.format import TransferHeader, TransferKey
 from kv_transfer.grpc_transport import KVTransferServer
-
-_TRANSFER_FAULTS = {
-    FaultAction.CORRUPT: FaultKind.CORRUPT,
-    FaultAction.TRUNCATE: FaultKind.TRUNCATE,
-    FaultAction.DROP: FaultKind.DROP,
-    FaultAction.RAISE: FaultKind.CLOSE,
-}
 
 
 class PrefillWorker(EngineWorker):
@@ -47,43 +39,20 @@ class PrefillWorker(EngineWorker):
     def __init__(self, *args: Any, lease_timeout_s: float = 30.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.lease_timeout_s = lease_timeout_s
-        runner = self.engine.engine.runner
-        self.layout = KVLayout.from_cache(runner.kv_cache)
         self.registry = KVExportRegistry()
         self.registry.fault_hook = self._transfer_fault
         self.server = KVTransferServer(self.registry, host="127.0.0.1", port=0)
         self.server.start()
-        # attempt id -> (export, attempt number, block table once scheduled); the engine
-        # thread reads it in the layer hook, the event loop adds and removes entries.
-        self._exports: dict[str, tuple[Any, int, list[int]]] = {}
-        runner.layer_hook = self._on_layer
         self._expiry: asyncio.Task[None] | None = None
 
     def kv_address(self) -> str | None:
         return str(self.server.address)
 
-    def _on_layer(self, layer: int, out: SchedulerOutput) -> None:
-        """Engine thread: the step's last chunks of exported attempts have layer ``layer``."""
-        for chunk in out.chunks:
-            entry = self._exports.get(chunk.request_id)
-            if entry is None or not chunk.sample:
-                continue
-            export, number, blocks = entry
-            if layer == 0:
-                blocks[:] = chunk.block_table
-            export.layer_ready(layer)
-            self.faults.check(FaultPoint.PREFILL_LAYERS, number, layer + 1)
-
-    def _transfer_fault(self, key: TransferKey, index: int) -> TransferFault | None:
-        """The harness's transfer faults, in the exporter's terms (index 0 = header,
-        1..layers = the layer chunks, then the trailer)."""
+    def _transfer_fault(self, key: TransferKey, index: int) -> Fault | None:
+        """The harness's fault due at KV stream message ``index`` (a CRASH ends the process
+        here; the exporter applies the rest)."""
         number = int(key.attempt_id.rpartition("@")[2] or 0)
-        fault = self.faults.take(FaultPoint.TRANSFER_CHUNK, number, index)
-        if fault is None:
-            return None
-        if fault.action is FaultAction.STALL:
-            return TransferFault(FaultKind.DELAY, fault.seconds)
-        return TransferFault(_TRANSFER_FAULTS[fault.action])
+        return self.faults.check(FaultPoint.TRANSFER_CHUNK, number, index)
 
     async def _expire_leases(self) -> None:
         """Leases whose deadline passed are released even if nobody comes back for them."""
@@ -96,13 +65,12 @@ class PrefillWorker(EngineWorker):
             self._expiry = asyncio.get_running_loop().create_task(self._expire_leases())
         return await super().ready()
 
-    async def prefill(self, attempt: Attempt, transport: str) -> AsyncGenerator[Any, None]:
+    async def prefill(self, attempt: Attempt) -> AsyncGenerator[KVSource | TokenBatch, None]:
         """Yields the KVSource, then the first token as a TokenBatch (``finish_reason``
-        "handed_off" when decode continues), then holds the lease until it ends."""
+        HANDED_OFF when decode continues), then holds the lease until it ends."""
         spec = attempt.request
         aid = attempt.attempt_id
-        kv_cache = self.engine.engine.runner.kv_cache
-        blocks: list[int] = []
+        blocks: list[int] = []  # the block table, once the engine has scheduled the prompt
         loop = asyncio.get_running_loop()
         released = asyncio.Event()
 
@@ -113,26 +81,24 @@ class PrefillWorker(EngineWorker):
         tokens = spec.prompt_token_ids + attempt.resume_output
         header = TransferHeader(
             key=TransferKey(spec.request_id, aid),
-            layout=self.layout,
-            num_blocks=math.ceil(len(tokens) / self.block_size),
+            layout=self.engine.kv_layout,
+            num_blocks=math.ceil(len(tokens) / self.engine.block_size),
             num_tokens=len(tokens),
-            block_hashes=prefix_hashes(
-                tokens, self.block_size, spec.cache_salt, self.engine.engine.kv.model_id
-            ),
+            block_hashes=self.engine.block_hashes(tokens, spec.cache_salt),
             cache_salt=spec.cache_salt,
-            model_id=self.engine.engine.kv.model_id,
+            model_id=self.engine.model_id,
             deadline=spec.deadline or time.time() + self.lease_timeout_s,
         )
         export = self.registry.publish(
             header,
-            source=lambda layer: extract_layer(kv_cache, layer, blocks),
+            source=lambda layer: self.engine.read_kv_layer(layer, blocks),
             lease_deadline=time.time() + self.lease_timeout_s,
             on_release=on_release,
         )
-        self._exports[aid] = (export, attempt.number, blocks)
+        self.engine.watch_layers(aid, self._layer_listener(export, attempt.number, blocks))
         handed_off = False
         try:
-            yield KVSource(self.name, self.kv_address() or "", transport)
+            yield KVSource(self.name, self.kv_address() or "")
             self._touch()
             outs = [
                 out
@@ -148,14 +114,16 @@ class PrefillWorker(EngineWorker):
                 )
             ]
             final = outs[-1]
-            handed_off = final.finish_reason == "handed_off"
+            handed_off = final.finish_reason is FinishReason.HANDED_OFF
             if not handed_off:
                 export.fail(f"the request ended at its first token ({final.finish_reason})")
             logprobs = [lp for o in outs for lp in o.logprobs or []]
             yield TokenBatch(
                 token_ids=[t for o in outs for t in o.token_ids],
+                text="".join(o.text for o in outs),
                 finished=True,
                 finish_reason=final.finish_reason,
+                error=final.error,
                 sampler_snapshot=final.sampler_snapshot,
                 logprobs=logprobs if attempt.request.params.logprobs is not None else None,
                 queue_time_s=next(
@@ -165,12 +133,29 @@ class PrefillWorker(EngineWorker):
             if handed_off:
                 await released.wait()
         finally:
-            self._exports.pop(aid, None)
+            self.engine.unwatch_layers(aid)
             if not handed_off:
                 export.fail("prefill did not hand off")
             self.registry.release(header.key, ReleaseReason.ABORTED)  # no-op once released
             self._touch()
 
+    def _layer_listener(
+        self, export: Export, attempt: int, blocks: list[int]
+    ) -> Callable[[int, list[int]], None]:
+        """Engine thread: the attempt's last prompt chunk has written ``layer``: serve it."""
+
+        def on_layer(layer: int, block_table: list[int]) -> None:
+            if layer == 0:
+                blocks[:] = block_table
+            export.layer_ready(layer)
+            self.faults.check(FaultPoint.PREFILL_LAYERS, attempt, layer + 1)
+
+        return on_layer
+
     async def _free_lease(self, attempt_id: str) -> None:
-        await self.engine.call(lambda e: e.release_kv(attempt_id))
+        await self.engine.release_kv(attempt_id)
         self._touch()
+
+
+if TYPE_CHECKING:  # mypy checks that the actor serves its interface
+    _: type[PrefillAPI] = PrefillWorker

@@ -23,11 +23,12 @@ from typing import Any
 
 import ray
 
-from cluster.messages import WorkerInfo, WorkerLoad
-from cluster.roles import Role
-from cluster.topology import RouterSpec
+from contracts.messages import WorkerInfo, WorkerLoad
+from contracts.roles import Role
+from contracts.routing import Decision, RouteRequest, WorkerState
 from engine.kv_events import KVEvent
-from router.policy import Decision, RouteRequest, RouterWeights, WorkerState, choose
+from router.config import RouterConfig
+from router.policy import choose
 from router.prefix_index import PrefixIndex
 
 logger = logging.getLogger("tandem.router")
@@ -38,7 +39,7 @@ class RouterActor:
     def __init__(
         self,
         workers: list[tuple[str, Role, str]],
-        spec: RouterSpec,
+        config: RouterConfig,
         heartbeat_timeout_s: float,
         namespace: str,
     ) -> None:
@@ -46,14 +47,7 @@ class RouterActor:
             name: WorkerState(name=name, role=role, domain=domain, healthy=False, block_size=16)
             for name, role, domain in workers
         }
-        self.weights = RouterWeights(
-            queue_depth=spec.weights.queue_depth,
-            uncached_prefill_tokens=spec.weights.uncached_prefill_tokens,
-            kv_usage=spec.weights.kv_usage,
-            domain_spread=spec.weights.domain_spread,
-            herding_guard=spec.herding_guard,
-            local_prefill_max_tokens=spec.local_prefill_max_tokens,
-        )
+        self.config = config
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.namespace = namespace
         self.index = PrefixIndex()
@@ -165,7 +159,7 @@ class RouterActor:
 
     async def choose(self, request: RouteRequest) -> Decision:
         """Pick the attempt's workers (raises NoReplicaAvailable); logs the breakdown."""
-        decision = choose(request, list(self.states.values()), self.index, self.weights)
+        decision = choose(request, list(self.states.values()), self.index, self.config)
         # Count the work sent until the workers' next reports say so themselves: a burst of
         # decisions between two reports must see each other, or it herds onto one replica.
         for name in {decision.prefill, decision.decode}:

@@ -47,166 +47,27 @@ Unhealthy workers and excluded workers or domains are never chosen; a pool left 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Any, NamedTuple
 
-from cluster.roles import Role
+from contracts.roles import Role
+from contracts.routing import (
+    Decision,
+    Mode,
+    NoReplicaAvailable,
+    RouteRequest,
+    Score,
+    WorkerState,
+)
+from router.config import RouterConfig, RouterWeights
 from router.prefix_index import PrefixIndex
 
 TIE_EPSILON = 1e-9  # costs this close are a tie (float sums of the same terms in another order)
-
-
-class Mode(StrEnum):
-    DISAGGREGATED = "disaggregated"
-    LOCAL_PREFILL = "local_prefill"
-    COLOCATED = "colocated"
-
-
-class NoReplicaAvailable(RuntimeError):
-    """No replica of ``pool`` may serve the request; ``reasons`` says why for each worker of
-    the pool (empty when the pool has no workers at all)."""
-
-    def __init__(self, pool: str, request_id: str, reasons: dict[str, str]) -> None:
-        why = ", ".join(f"{name} {reason}" for name, reason in sorted(reasons.items()))
-        super().__init__(
-            f"no {pool} replica for request {request_id!r}: {why or 'the pool has no workers'}"
-        )
-        self.pool = pool
-        self.request_id = request_id
-        self.reasons = reasons
-
-    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray actor boundaries
-        return (type(self), (self.pool, self.request_id, self.reasons))
-
-
-@dataclass(slots=True)
-class WorkerState:
-    """What the router knows of one worker, from its last report (the actor updates it in
-    place; ``choose`` only reads it). Checked when built, not on every update."""
-
-    name: str
-    role: Role
-    domain: str
-    healthy: bool = True
-    queue_depth: int = 0  # admitted, not yet running
-    num_running: int = 0
-    kv_usage: float = 0.0  # in-use KV blocks / total, in [0, 1]
-    prefix_hit_ratio: float = 0.0  # reported, for metrics (the cost uses the exact index)
-    block_size: int = 16  # tokens per KV block (EngineConfig's default)
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"{self.name}: block_size={self.block_size}: must be >= 1")
-        if self.queue_depth < 0 or self.num_running < 0:
-            raise ValueError(
-                f"{self.name}: queue_depth={self.queue_depth}, num_running={self.num_running}: "
-                "must be >= 0"
-            )
-        if not 0.0 <= self.kv_usage <= 1.0:
-            raise ValueError(f"{self.name}: kv_usage={self.kv_usage}: must be in [0, 1]")
-
-
-@dataclass(frozen=True, slots=True)
-class RouterWeights:
-    """The cost terms' weights and the two thresholds (defaults: the topology's)."""
-
-    queue_depth: float = 1.0  # per request ahead (queued + running)
-    uncached_prefill_tokens: float = 0.01  # per prompt token to compute
-    kv_usage: float = 4.0  # per unit of KV fraction in use
-    domain_spread: float = 0.5  # decode in the prefill's failure domain
-    herding_guard: int = 8  # load above the pool's least loaded that forfeits cache credit
-    local_prefill_max_tokens: int = 64  # prefill on the decode worker up to this many tokens
-
-    def __post_init__(self) -> None:
-        for name in (
-            "queue_depth",
-            "uncached_prefill_tokens",
-            "kv_usage",
-            "domain_spread",
-            "herding_guard",
-            "local_prefill_max_tokens",
-        ):
-            value = getattr(self, name)
-            if value < 0:
-                raise ValueError(f"RouterWeights.{name}={value}: must be >= 0")
-
-
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    """One routing question. The exclusions carry a retry's history: never the worker or the
-    failure domain that just failed it."""
-
-    request_id: str
-    prompt_hashes: Sequence[int]  # engine.kv_cache_manager.prefix_hashes of the prompt
-    num_prompt_tokens: int
-    exclude_workers: frozenset[str] = frozenset()
-    exclude_domains: frozenset[str] = frozenset()
-
-    def __post_init__(self) -> None:
-        if self.num_prompt_tokens < 1:
-            raise ValueError(
-                f"request {self.request_id!r}: num_prompt_tokens={self.num_prompt_tokens}: "
-                "must be >= 1"
-            )
-
-
-class Score(NamedTuple):
-    """One candidate's cost, term by term (``total`` is their sum). Cache fields are 0 for a
-    disaggregated decode candidate, which computes none of the prompt. A tuple: ``choose``
-    builds one per candidate per request, and a frozen dataclass costs ~10x more to build."""
-
-    name: str
-    role: Role
-    domain: str
-    load: int
-    hit_blocks: int  # leading prompt blocks the index says it holds
-    credited_blocks: int  # what the cost counted: capped, 0 if herded
-    herded: bool
-    uncached_tokens: int
-    queue: float
-    uncached: float
-    kv: float
-    spread: float
-    total: float
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**self._asdict(), "role": self.role.value}
-
-
-@dataclass(frozen=True, slots=True)
-class Decision:
-    """The replicas for one request. ``prefill`` is None when ``decode`` computes the prompt
-    itself (local_prefill, colocated)."""
-
-    request_id: str
-    mode: Mode
-    prefill: str | None
-    decode: str
-    hit_blocks: int  # of the replica that computes the prompt
-    uncached_tokens: int  # what that replica computes
-    scores: tuple[Score, ...]  # every candidate considered: by stage, in the workers' order
-    skipped: dict[str, str] = field(default_factory=dict)  # worker -> why it was not eligible
-
-    def log_line(self) -> dict[str, Any]:
-        """One JSON-able record: the choice and every candidate's terms."""
-        return {
-            "request_id": self.request_id,
-            "mode": self.mode.value,
-            "prefill": self.prefill,
-            "decode": self.decode,
-            "hit_blocks": self.hit_blocks,
-            "uncached_tokens": self.uncached_tokens,
-            "candidates": [score.as_dict() for score in self.scores],
-            "skipped": dict(self.skipped),
-        }
 
 
 def choose(
     request: RouteRequest,
     workers: Sequence[WorkerState],
     index: PrefixIndex,
-    weights: RouterWeights,
+    config: RouterConfig,
 ) -> Decision:
     """Pick the replicas for ``request`` (module docstring: modes, cost, guards)."""
     by_role: dict[Role, list[WorkerState]] = {role: [] for role in Role}
@@ -217,22 +78,22 @@ def choose(
 
     if not by_role[Role.PREFILL] and not by_role[Role.DECODE] and by_role[Role.COLOCATED]:
         pool = _eligible(Role.COLOCATED, by_role[Role.COLOCATED], request, skipped)
-        scores = _prompt_scores(pool, hits, request, weights)
+        scores = _prompt_scores(pool, hits, request, config)
         chosen = _pick(scores)
         return _one_replica(request, Mode.COLOCATED, chosen, scores, skipped)
 
     decoders = _eligible(Role.DECODE, by_role[Role.DECODE], request, skipped)
-    if _may_prefill_locally(decoders, hits, request, weights):
-        local = _prompt_scores(decoders, hits, request, weights)
-        fits = [s for s in local if s.uncached_tokens <= weights.local_prefill_max_tokens]
+    if _may_prefill_locally(decoders, hits, request, config):
+        local = _prompt_scores(decoders, hits, request, config)
+        fits = [s for s in local if s.uncached_tokens <= config.local_prefill_max_tokens]
         if fits:
             chosen = _pick(fits, hot_domains=_hot_domains(local))
             return _one_replica(request, Mode.LOCAL_PREFILL, chosen, local, skipped)
 
     prefillers = _eligible(Role.PREFILL, by_role[Role.PREFILL], request, skipped)
-    prefill_scores = _prompt_scores(prefillers, hits, request, weights)
+    prefill_scores = _prompt_scores(prefillers, hits, request, config)
     prefill = _pick(prefill_scores)
-    decode_scores = _decode_scores(decoders, prefill.domain, weights)
+    decode_scores = _decode_scores(decoders, prefill.domain, config.weights)
     decode = _pick(decode_scores, hot_domains=set())
     return Decision(
         request_id=request.request_id,
@@ -269,7 +130,7 @@ def _eligible(
 
 
 def _may_prefill_locally(
-    decoders: list[WorkerState], hits: dict[str, int], request: RouteRequest, w: RouterWeights
+    decoders: list[WorkerState], hits: dict[str, int], request: RouteRequest, c: RouterConfig
 ) -> bool:
     """Whether some decode replica could have few enough tokens left, counting full cache
     credit (the guard only takes credit away): skips scoring the decode pool twice for the
@@ -277,22 +138,23 @@ def _may_prefill_locally(
     n = request.num_prompt_tokens
     for worker in decoders:
         credited = min(hits.get(worker.name, 0), (n - 1) // worker.block_size)
-        if n - credited * worker.block_size <= w.local_prefill_max_tokens:
+        if n - credited * worker.block_size <= c.local_prefill_max_tokens:
             return True
     return False
 
 
 def _prompt_scores(
-    pool: list[WorkerState], hits: dict[str, int], request: RouteRequest, w: RouterWeights
+    pool: list[WorkerState], hits: dict[str, int], request: RouteRequest, c: RouterConfig
 ) -> list[Score]:
     """Scores of replicas that compute the prompt: load, uncached tokens, KV use."""
+    w = c.weights
     loads = [worker.queue_depth + worker.num_running for worker in pool]
     floor = min(loads)
     n = request.num_prompt_tokens
     scores = []
     for worker, load in zip(pool, loads, strict=True):
         hit = hits.get(worker.name, 0)
-        herded = hit > 0 and load - floor > w.herding_guard
+        herded = hit > 0 and load - floor > c.herding_guard
         credited = 0 if herded else min(hit, (n - 1) // worker.block_size)
         uncached_tokens = n - credited * worker.block_size
         queue = w.queue_depth * load

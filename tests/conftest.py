@@ -11,10 +11,11 @@ from typing import Any, Literal
 import pytest
 from hypothesis import settings
 
-# Ray reads these when it is imported: set before any test module imports it (RAY_NOTES: stay
-# on loopback, no auth on test clusters).
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-os.environ["RAY_AUTH_MODE"] = "disabled"
+# Ray reads these when it is imported: set before any test module imports it (loopback only,
+# no auth on test clusters: docs/design.md#ray-runtime).
+from tandem.bootstrap import LOOPBACK_ENV, init_ray  # noqa: I001
+
+os.environ.update(LOOPBACK_ENV)
 
 from engine.demo_model import Architecture, Size, write_demo_checkpoint  # noqa: E402
 from engine.tokenizer import Tokenizer  # noqa: E402
@@ -151,7 +152,7 @@ def bl_tok(byte_level_tokenizer_dir: Path) -> Tokenizer:
 def direct_ingress_port() -> int:
     """The port the in-process Serve tests' ingress replica answers HTTP on (``ray_session``
     starts Ray with ``api.launch.direct_ingress_env`` for it, as ``tandem serve`` does)."""
-    from api.launch import free_port
+    from tandem.serve import free_port
 
     return free_port("127.0.0.1")
 
@@ -160,27 +161,34 @@ def direct_ingress_port() -> int:
 def ray_session(
     tmp_path_factory: pytest.TempPathFactory, direct_ingress_port: int
 ) -> Iterator[None]:
-    """One local Ray cluster for the whole test run (RAY_NOTES): loopback only, no auth, logical
-    CPUs so fractional actors never wait for a core, its own temp dir; Serve set up as
+    """One local Ray cluster for the whole test run (tandem.bootstrap: loopback only, no auth,
+    logical CPUs so fractional actors never wait for a core), its own temp dir; Serve set up as
     ``tandem serve`` sets it up (direct ingress)."""
     import ray
 
-    from api.launch import direct_ingress_env
+    from tandem.serve import direct_ingress_env
 
-    # Set only while Ray's processes start: the tests' own ``tandem serve`` subprocesses choose
-    # their own ports.
-    with pytest.MonkeyPatch.context() as env:
-        for name, value in direct_ingress_env(direct_ingress_port).items():
-            env.setenv(name, value)
-        ray.init(
-            num_cpus=16,
-            include_dashboard=False,
-            log_to_driver=False,
-            object_store_memory=256 * 2**20,
-            namespace="tandem",
-            _temp_dir=str(tmp_path_factory.mktemp("ray")),
-        )
+    # The direct-ingress settings only while Ray's processes start: the tests' own ``tandem
+    # serve`` subprocesses choose their own ports.
+    init_ray(
+        num_cpus=16,
+        temp_dir=str(tmp_path_factory.mktemp("ray")),
+        env=direct_ingress_env(direct_ingress_port),
+    )
     try:
         yield
     finally:
         ray.shutdown()
+
+
+# Tests that start real services carry the ``e2e`` marker (``-m "not e2e"`` is the quick unit
+# run): everything under tests/e2e/, and any test using a fixture that starts Ray or a gRPC
+# server; tests that start one inline are marked where they are written.
+_SERVICE_FIXTURES = frozenset({"ray_session", "server"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        in_e2e = "e2e" in item.path.relative_to(Path(__file__).parent).parts[:-1]
+        if in_e2e or _SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)

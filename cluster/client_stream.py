@@ -1,0 +1,113 @@
+"""The client's side of one request, across every attempt that serves it: the tokens and text
+it has received, the sampler state after them, and how the request ended. No Ray: the
+coordinator feeds it each worker's :class:`TokenBatch` and forwards the deltas it returns.
+
+Text is the workers' engines' (their detokenizers hold back a partial stop string or UTF-8
+sequence; a worker that continues the request primes its detokenizer with the tokens before),
+so a request is detokenised once, wherever it runs, and the text continues exactly across a
+hand-off or a migration.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from contracts.messages import RequestSpec, TokenBatch
+from engine.request import FinishReason
+from engine.sampler import SamplingSnapshot, TokenLogprobs
+
+# How an attempt may end that also ends the request for its client.
+CLIENT_ENDS = frozenset(
+    {
+        FinishReason.EOS,
+        FinishReason.STOP_TOKEN,
+        FinishReason.STOP_STRING,
+        FinishReason.MAX_TOKENS,
+        FinishReason.CONTEXT_LIMIT,
+        FinishReason.DEADLINE,
+    }
+)
+
+
+class AttemptFailed(RuntimeError):
+    """One attempt could not go on; ``worker`` (if known) is the one to blame."""
+
+    def __init__(
+        self,
+        message: str,
+        worker: str | None = None,
+        dead: bool = False,
+        rejected: bool = False,
+        no_replica: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.worker = worker
+        self.dead = dead  # the worker itself is gone (tell the router)
+        self.rejected = rejected  # its engine's admission refused the request (no KV room)
+        self.no_replica = no_replica  # the router had no replica left outside the exclusions
+
+
+@dataclass
+class ClientDelta:
+    """What the client receives: new token ids and the text now safe to show."""
+
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None  # once finished
+    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
+
+
+class ClientStream:
+    """What one client request has received so far (it survives any worker)."""
+
+    def __init__(self, spec: RequestSpec) -> None:
+        self.spec = spec
+        self.tokens: list[int] = []
+        self.text = ""
+        self.snapshot: SamplingSnapshot | None = None  # sampler state after ``tokens``
+        self.first_token_at: float | None = None
+        self.queue_time_s: float | None = None  # of the attempt that produced the first token
+        self.finish_reason: FinishReason | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def accept(self, batch: TokenBatch, worker: str) -> ClientDelta | None:
+        """Take ``worker``'s batch: its tokens, text and sampler state. Returns the client's
+        delta (None when the batch brings nothing to send); raises AttemptFailed when the
+        attempt ended without ending the request (an error, a cancellation, a rejection, or
+        no finish reason)."""
+        if self.finished:
+            raise RuntimeError(f"request {self.spec.request_id} already ended")
+        if batch.token_ids and self.first_token_at is None:
+            self.first_token_at = time.time()
+            self.queue_time_s = batch.queue_time_s
+        self.tokens.extend(batch.token_ids)
+        self.text += batch.text
+        if batch.sampler_snapshot is not None:
+            self.snapshot = batch.sampler_snapshot
+        elif batch.token_ids:
+            # Greedy requests carry no per-token snapshots (only the prefill's, after token 1):
+            # one from before these tokens would misalign a migration, which then rebuilds the
+            # sampler from the tokens alone (all a greedy request needs).
+            self.snapshot = None
+        reason = batch.finish_reason if batch.finished else None
+        if batch.finished and reason not in CLIENT_ENDS and reason is not FinishReason.HANDED_OFF:
+            why = f"{reason.value if reason else 'no finish reason'}"
+            detail = f": {batch.error}" if batch.error else ""
+            raise AttemptFailed(f"{worker} ended the attempt ({why}){detail}", worker)
+        if reason in CLIENT_ENDS:
+            self.finish_reason = reason
+        if not (batch.token_ids or batch.text or self.finished):
+            return None
+        logprobs = batch.logprobs if self.spec.params.logprobs is not None else None
+        return ClientDelta(
+            list(batch.token_ids),
+            batch.text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            logprobs=list(logprobs) if logprobs is not None else None,
+        )

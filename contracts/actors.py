@@ -1,0 +1,160 @@
+"""The actors' typed interfaces: what each actor serves (a Protocol its class implements) and a
+typed client over its Ray handle, so no caller names a method by string.
+
+    coordinator ──RouterClient.choose──> router        workers ──RouterClient.report──> router
+    coordinator ──WorkerClient.prefill / decode / handoff / generate──> worker actors
+    router ──WorkerClient.ready──> worker (health check)
+
+A client's methods return what Ray returns for the call (an ``ObjectRef``, awaitable; or an
+``ObjectRefGenerator`` for a streaming method), so callers await them or ``ray.get`` them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from typing import Any, Protocol
+
+from ray import ObjectRef, ObjectRefGenerator
+
+from contracts.faults import FaultPlan
+from contracts.messages import (
+    Attempt,
+    KVSource,
+    TokenBatch,
+    TransferRecord,
+    WorkerInfo,
+    WorkerLoad,
+)
+from contracts.routing import Decision, RouteRequest, WorkerState
+from engine.async_engine import BackpressureStats
+from engine.kv_cache_manager import KVStats
+from engine.kv_events import KVEvent
+from engine.request import TerminalRecord
+
+NAMESPACE = "tandem"  # the Ray namespace of every Tandem actor
+ROUTER_NAME = "tandem-router"
+# Token batches a worker's stream may run ahead of its consumer before it blocks (Ray generator
+# backpressure); the engine behind it then fills its own bounded buffer and pauses the request.
+STREAM_AHEAD_BATCHES = 4
+
+
+class WorkerAPI(Protocol):
+    """What every worker actor serves (cluster.worker.EngineWorker)."""
+
+    async def ready(self) -> WorkerInfo: ...
+    async def set_faults(self, plan: FaultPlan) -> None: ...
+    def generate(self, attempt: Attempt) -> AsyncGenerator[TokenBatch, None]: ...
+    async def kv_stats(self) -> KVStats: ...
+    async def records(self) -> list[TerminalRecord]: ...
+    async def check_idle(self) -> KVStats: ...
+    async def backpressure_stats(self) -> BackpressureStats: ...
+    async def node_id(self) -> str: ...
+    async def pid(self) -> int: ...
+
+
+class PrefillAPI(WorkerAPI, Protocol):
+    """A prefill worker (prefill_worker.worker.PrefillWorker)."""
+
+    def prefill(self, attempt: Attempt) -> AsyncGenerator[KVSource | TokenBatch, None]: ...
+
+
+class DecodeAPI(WorkerAPI, Protocol):
+    """A decode worker (decode_worker.worker.DecodeWorker)."""
+
+    def decode(self, attempt: Attempt, source: KVSource) -> AsyncGenerator[TokenBatch, None]: ...
+    async def handoff(self, attempt_id: str, first: TokenBatch) -> None: ...
+    async def transfer_records(self, after: int = 0) -> list[TransferRecord]: ...
+
+
+class RouterAPI(Protocol):
+    """The router actor (router.actor.RouterActor)."""
+
+    async def wait_ready(self, timeout_s: float) -> None: ...
+    async def report(self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent]) -> bool: ...
+    async def worker_failed(self, name: str) -> None: ...
+    async def watch_health(self, version: int, timeout_s: float) -> tuple[int, dict[str, bool]]: ...
+    async def choose(self, request: RouteRequest) -> Decision: ...
+    async def decisions(self) -> list[dict[str, Any]]: ...
+    async def worker_states(self) -> list[WorkerState]: ...
+
+
+class WorkerClient:
+    """A worker actor's Ray handle with the worker interfaces as typed methods. Streams are
+    backpressured: a consumer that stops reading stops the worker after a few batches."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def ready(self) -> ObjectRef[WorkerInfo]:
+        return self.handle.ready.remote()
+
+    def set_faults(self, plan: FaultPlan) -> ObjectRef[None]:
+        return self.handle.set_faults.remote(plan)
+
+    def generate(self, attempt: Attempt) -> ObjectRefGenerator:
+        return self._stream(self.handle.generate, attempt)
+
+    def prefill(self, attempt: Attempt) -> ObjectRefGenerator:
+        return self.handle.prefill.remote(attempt)  # two items, then it holds the lease
+
+    def decode(self, attempt: Attempt, source: KVSource) -> ObjectRefGenerator:
+        return self._stream(self.handle.decode, attempt, source)
+
+    def handoff(self, attempt_id: str, first: TokenBatch) -> ObjectRef[None]:
+        return self.handle.handoff.remote(attempt_id, first)
+
+    def kv_stats(self) -> ObjectRef[KVStats]:
+        return self.handle.kv_stats.remote()
+
+    def records(self) -> ObjectRef[list[TerminalRecord]]:
+        return self.handle.records.remote()
+
+    def check_idle(self) -> ObjectRef[KVStats]:
+        return self.handle.check_idle.remote()
+
+    def backpressure_stats(self) -> ObjectRef[BackpressureStats]:
+        return self.handle.backpressure_stats.remote()
+
+    def transfer_records(self, after: int = 0) -> ObjectRef[list[TransferRecord]]:
+        return self.handle.transfer_records.remote(after)
+
+    def node_id(self) -> ObjectRef[str]:
+        return self.handle.node_id.remote()
+
+    def pid(self) -> ObjectRef[int]:
+        return self.handle.pid.remote()
+
+    @staticmethod
+    def _stream(method: Any, *args: Any) -> ObjectRefGenerator:
+        options = method.options(_generator_backpressure_num_objects=STREAM_AHEAD_BATCHES)
+        return options.remote(*args)  # type: ignore[no-any-return]
+
+
+class RouterClient:
+    """The router actor's Ray handle with :class:`RouterAPI` as typed methods."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+
+    def wait_ready(self, timeout_s: float) -> ObjectRef[None]:
+        return self.handle.wait_ready.remote(timeout_s)
+
+    def report(self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent]) -> ObjectRef[bool]:
+        return self.handle.report.remote(info, load, events)
+
+    def worker_failed(self, name: str) -> ObjectRef[None]:
+        return self.handle.worker_failed.remote(name)
+
+    def watch_health(
+        self, version: int, timeout_s: float
+    ) -> ObjectRef[tuple[int, dict[str, bool]]]:
+        return self.handle.watch_health.remote(version, timeout_s)
+
+    def choose(self, request: RouteRequest) -> ObjectRef[Decision]:
+        return self.handle.choose.remote(request)
+
+    def decisions(self) -> ObjectRef[list[dict[str, Any]]]:
+        return self.handle.decisions.remote()
+
+    def worker_states(self) -> ObjectRef[list[WorkerState]]:
+        return self.handle.worker_states.remote()

@@ -1,0 +1,132 @@
+"""Routing messages: what the coordinator asks the router, what it answers, and the router's
+view of each worker (``worker_states``). Free of Ray and torch: the router's policy and its
+benchmark build them directly."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, NamedTuple
+
+from contracts.roles import Role
+
+
+class Mode(StrEnum):
+    DISAGGREGATED = "disaggregated"
+    LOCAL_PREFILL = "local_prefill"
+    COLOCATED = "colocated"
+
+
+class NoReplicaAvailable(RuntimeError):
+    """No replica of ``pool`` may serve the request; ``reasons`` says why for each worker of
+    the pool (empty when the pool has no workers at all)."""
+
+    def __init__(self, pool: str, request_id: str, reasons: dict[str, str]) -> None:
+        why = ", ".join(f"{name} {reason}" for name, reason in sorted(reasons.items()))
+        super().__init__(
+            f"no {pool} replica for request {request_id!r}: {why or 'the pool has no workers'}"
+        )
+        self.pool = pool
+        self.request_id = request_id
+        self.reasons = reasons
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray actor boundaries
+        return (type(self), (self.pool, self.request_id, self.reasons))
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """What the router knows of one worker, from its last report (the actor updates it in
+    place; ``choose`` only reads it). Checked when built, not on every update."""
+
+    name: str
+    role: Role
+    domain: str
+    healthy: bool = True
+    queue_depth: int = 0  # admitted, not yet running
+    num_running: int = 0
+    kv_usage: float = 0.0  # in-use KV blocks / total, in [0, 1]
+    prefix_hit_ratio: float = 0.0  # reported, for metrics (the cost uses the exact index)
+    block_size: int = 16  # tokens per KV block (EngineConfig's default)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"{self.name}: block_size={self.block_size}: must be >= 1")
+        if self.queue_depth < 0 or self.num_running < 0:
+            raise ValueError(
+                f"{self.name}: queue_depth={self.queue_depth}, num_running={self.num_running}: "
+                "must be >= 0"
+            )
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"{self.name}: kv_usage={self.kv_usage}: must be in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """One routing question. The exclusions carry a retry's history: never the worker or the
+    failure domain that just failed it."""
+
+    request_id: str
+    prompt_hashes: Sequence[int]  # engine.kv_cache_manager.prefix_hashes of the prompt
+    num_prompt_tokens: int
+    exclude_workers: frozenset[str] = frozenset()
+    exclude_domains: frozenset[str] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.num_prompt_tokens < 1:
+            raise ValueError(
+                f"request {self.request_id!r}: num_prompt_tokens={self.num_prompt_tokens}: "
+                "must be >= 1"
+            )
+
+
+class Score(NamedTuple):
+    """One candidate's cost, term by term (``total`` is their sum). Cache fields are 0 for a
+    disaggregated decode candidate, which computes none of the prompt. A tuple: ``choose``
+    builds one per candidate per request, and a frozen dataclass costs ~10x more to build."""
+
+    name: str
+    role: Role
+    domain: str
+    load: int
+    hit_blocks: int  # leading prompt blocks the index says it holds
+    credited_blocks: int  # what the cost counted: capped, 0 if herded
+    herded: bool
+    uncached_tokens: int
+    queue: float
+    uncached: float
+    kv: float
+    spread: float
+    total: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self._asdict(), "role": self.role.value}
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """The replicas for one request. ``prefill`` is None when ``decode`` computes the prompt
+    itself (local_prefill, colocated)."""
+
+    request_id: str
+    mode: Mode
+    prefill: str | None
+    decode: str
+    hit_blocks: int  # of the replica that computes the prompt
+    uncached_tokens: int  # what that replica computes
+    scores: tuple[Score, ...]  # every candidate considered: by stage, in the workers' order
+    skipped: dict[str, str] = field(default_factory=dict)  # worker -> why it was not eligible
+
+    def log_line(self) -> dict[str, Any]:
+        """One JSON-able record: the choice and every candidate's terms."""
+        return {
+            "request_id": self.request_id,
+            "mode": self.mode.value,
+            "prefill": self.prefill,
+            "decode": self.decode,
+            "hit_blocks": self.hit_blocks,
+            "uncached_tokens": self.uncached_tokens,
+            "candidates": [score.as_dict() for score in self.scores],
+            "skipped": dict(self.skipped),
+        }

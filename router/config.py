@@ -1,0 +1,44 @@
+"""The router's configuration: one pydantic model, the topology's ``router`` section."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class RouterWeights(_Section):
+    """Weights of the router's cost terms (router/policy.py); the lowest weighted sum wins. One
+    unit of cost is one request ahead in a replica's queue."""
+
+    queue_depth: float = Field(1.0, ge=0, description="per queued+running request")
+    uncached_prefill_tokens: float = Field(
+        0.01,
+        ge=0,
+        description="per prompt token the worker's prefix cache does not hold (0.01: 100 "
+        "tokens to compute weigh as much as one request ahead)",
+    )
+    kv_usage: float = Field(
+        4.0, ge=0, description="per unit of KV-cache fraction in use: what a full cache costs"
+    )
+    domain_spread: float = Field(
+        0.5, ge=0, description="paid by a decode replica in its prefill replica's failure domain"
+    )
+
+
+class RouterConfig(_Section):
+    weights: RouterWeights = Field(default_factory=RouterWeights)
+    herding_guard: int = Field(
+        8,
+        ge=0,
+        description="most load (queued+running) a replica may carry above its pool's "
+        "least-loaded replica before its cache affinity stops counting",
+    )
+    local_prefill_max_tokens: int = Field(
+        64,
+        ge=0,
+        description="uncached prompts this short are prefilled on the decode worker (shipping "
+        "their KV costs more than computing it); 0 = never",
+    )

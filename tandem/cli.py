@@ -1,0 +1,165 @@
+"""The ``tandem`` command line: ``demo-model``, ``generate`` (one engine, in process) and
+``serve`` (the OpenAI API of a cluster on Ray Serve: tandem/serve.py). Heavy imports happen
+inside the commands, so ``tandem --help`` is quick."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--typical-p", type=float, default=1.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--stop-token-id", action="append", type=int, default=[])
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--logprobs", type=int, default=None, help="return top-N logprobs")
+    g.add_argument("-n", type=int, default=1, help="samples per prompt")
+
+
+def _sampling_params(a: argparse.Namespace):  # -> SamplingParams
+    from engine.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=a.n,
+        max_tokens=a.max_tokens,
+        min_tokens=a.min_tokens,
+        temperature=a.temperature,
+        top_k=a.top_k,
+        top_p=a.top_p,
+        min_p=a.min_p,
+        typical_p=a.typical_p,
+        repetition_penalty=a.repetition_penalty,
+        frequency_penalty=a.frequency_penalty,
+        presence_penalty=a.presence_penalty,
+        seed=a.seed,
+        stop=tuple(a.stop),
+        stop_token_ids=tuple(a.stop_token_id),
+        ignore_eos=a.ignore_eos,
+        logprobs=a.logprobs,
+    )
+
+
+def cmd_demo_model(a: argparse.Namespace) -> int:
+    from engine.demo_model import write_demo_checkpoint
+
+    out = write_demo_checkpoint(a.out, size=a.size, architecture=a.arch, dtype=a.dtype, seed=a.seed)
+    print(out)
+    return 0
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    t_start = time.time()
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from tandem.demo import ensure_demo_model
+
+    params = _sampling_params(a)
+    model = Path(a.model) if a.model else ensure_demo_model()
+    config = EngineConfig(dtype=a.dtype, kv_cache_bytes=a.kv_cache_mb * 2**20, device=a.device)
+    engine = LLMEngine.from_checkpoint(model, config)
+    prompt: str = a.prompt
+    if a.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    first_token_at: float | None = None
+    for delta in engine.stream(prompt, params):
+        if first_token_at is None and delta.token_ids:
+            first_token_at = time.time()
+        if not a.json and delta.text:
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+    if a.json:
+        outs = []
+        for r in engine.finished_outputs():
+            outs.append(
+                {
+                    "index": r.index,
+                    "token_ids": r.token_ids,
+                    "text": r.text,
+                    "finish_reason": r.finish_reason.value,
+                    "logprobs": r.logprobs,
+                    "timing": r.timing,
+                }
+            )
+        cold = (first_token_at - t_start) if first_token_at is not None else None
+        doc = {
+            "model": str(model),
+            "outputs": outs,
+            "first_token_at": first_token_at,  # time.time(), for process-start measurements
+            "cold_start_s": cold,  # from CLI entry (after interpreter start) to first token
+        }
+        print(json.dumps(doc, indent=2))
+    else:
+        sys.stdout.write("\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tandem", description="Tandem LLM serving")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser(
+        "demo-model", help="write a deterministic demo checkpoint (Llama + tokenizer)"
+    )
+    d.add_argument("--size", choices=["test", "tiny", "small"], default="tiny")
+    d.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama")
+    d.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--out", required=True)
+    d.set_defaults(func=cmd_demo_model)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("--model", default=None, help="local HF checkpoint dir (default: demo model)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    g.add_argument("--json", action="store_true", help="print ids, text, finish reason, timing")
+    g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--kv-cache-mb", type=int, default=256)
+    _add_sampling_flags(g)
+    g.set_defaults(func=cmd_generate)
+
+    s = sub.add_parser("serve", help="serve the OpenAI API on Ray Serve (Ctrl-C stops)")
+    s.add_argument("--model", default=None, help="local HF checkpoint dir (default: topology's)")
+    s.add_argument("--topology", default=None, help="topology YAML (default: local.yaml)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--address", default=None, help="join this Ray cluster (default: start one)")
+    s.set_defaults(func=cmd_serve)
+    return p
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from tandem.deployment import DEFAULT_TOPOLOGY
+    from tandem.serve import serve_forever
+
+    topology = Path(a.topology) if a.topology else DEFAULT_TOPOLOGY
+    model = Path(a.model) if a.model else None
+    return serve_forever(topology, model, a.host, a.port, a.address)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ValueError, FileNotFoundError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

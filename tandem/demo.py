@@ -1,0 +1,26 @@
+"""The built-in demo model: where its checkpoint lives, built on first use."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from engine.demo_model import Size, write_demo_checkpoint
+
+DEFAULT_DEMO_SIZE: Size = "tiny"
+
+
+def demo_model_dir(size: str = DEFAULT_DEMO_SIZE) -> Path:
+    """Where the demo checkpoint of ``size`` lives (``$TANDEM_HOME``, else ~/.cache/tandem)."""
+    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+    return home / f"demo-{size}-llama"
+
+
+def ensure_demo_model(size: str = DEFAULT_DEMO_SIZE) -> Path:
+    """Return the demo checkpoint dir, writing it first if it is not there yet."""
+    out = demo_model_dir(size)
+    if not (out / "config.json").exists():
+        print(f"tandem: building the {size} demo model in {out} (first use only)", file=sys.stderr)
+        write_demo_checkpoint(out, size=size)  # type: ignore[arg-type]
+    return out

@@ -1,0 +1,129 @@
+"""Start a topology on Ray: the router actor, the worker actors, and a coordinator.
+
+Actors live in the Ray namespace ``tandem`` under their topology names (``tandem-router``,
+``prefill-0``, ``decode-1``, ...). Workers restart when they die (``max_restarts=-1``; no task
+is retried by Ray: the coordinator retries requests itself, with fresh attempt ids); a
+restarted worker rejoins once the router's health check reaches it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cluster.coordinator import Coordinator
+from cluster.worker import EngineWorker
+from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient
+from contracts.messages import WorkerInfo
+from decode_worker.worker import DecodeWorker
+from kv_transfer import Transport
+from prefill_worker.worker import PrefillWorker
+from router.actor import RouterActor
+from tandem.demo import ensure_demo_model
+from tandem.topology import Role, Topology, WorkerSpec
+
+READY_TIMEOUT_S = 180.0  # loading a model; an actor stuck PENDING for CPUs fails here, loudly
+_ACTOR_CLASSES: dict[Role, type[EngineWorker]] = {
+    Role.PREFILL: PrefillWorker,
+    Role.DECODE: DecodeWorker,
+    Role.COLOCATED: EngineWorker,
+}
+
+
+def model_dir_of(topology: Topology) -> Path:
+    return topology.model.path or ensure_demo_model(topology.model.demo_size)
+
+
+@dataclass
+class Cluster:
+    topology: Topology
+    router: RouterClient
+    workers: dict[str, WorkerClient]
+    infos: dict[str, WorkerInfo]
+    transport: Transport  # the KV transport the decode workers pull over (resolved)
+    coordinator: Coordinator
+
+    async def shutdown(self) -> None:
+        for handle in [*(w.handle for w in self.workers.values()), self.router.handle]:
+            ray.kill(handle, no_restart=True)
+
+
+def workers_have_cuda(topology: Topology) -> bool:
+    """Whether the prefill and decode workers will run with CUDA: each asks Ray for a GPU and
+    the cluster has GPUs (what ``transport: auto`` decides by)."""
+    return topology.gpu_workers() and ray.cluster_resources().get("GPU", 0) > 0
+
+
+async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cluster:
+    """Launch every actor of ``topology`` and wait until all are ready."""
+    model_dir = model_dir or model_dir_of(topology)
+    specs = topology.workers()
+    transport = topology.resolved_transport(workers_have_cuda(topology))
+    router = RouterClient(
+        ray.remote(RouterActor)
+        .options(name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0.05, max_restarts=-1)
+        .remote(
+            [(s.name, s.role, s.domain) for s in specs],
+            topology.router,
+            topology.heartbeat_timeout_s,
+            NAMESPACE,
+        )
+    )
+    by_label = nodes_carry_label(topology.label_key)
+    workers = {
+        s.name: WorkerClient(_start_worker(s, topology, model_dir, transport, by_label))
+        for s in specs
+    }
+    infos = await asyncio.wait_for(
+        asyncio.gather(*(w.ready() for w in workers.values())), READY_TIMEOUT_S
+    )
+    by_name = {i.name: i for i in infos}
+    coordinator = Coordinator(router, workers, by_name, topology.model.name, topology.retry)
+    await router.wait_ready(READY_TIMEOUT_S)
+    return Cluster(topology, router, workers, by_name, transport, coordinator)
+
+
+def nodes_carry_label(label_key: str) -> bool:
+    """Whether the cluster's nodes are labelled with failure domains (a real cluster started
+    with ``ray start --labels``); if none is, the topology's domains are logical (one machine)."""
+    return any(label_key in (node.get("Labels") or {}) for node in ray.nodes() if node["Alive"])
+
+
+def _start_worker(
+    spec: WorkerSpec, topology: Topology, model_dir: Path, transport: Transport, by_label: bool
+) -> Any:
+    cls = _ACTOR_CLASSES[spec.role]
+    kwargs: dict[str, Any] = {}
+    if spec.role is Role.PREFILL:
+        kwargs["lease_timeout_s"] = topology.lease_timeout_s
+    if spec.role is Role.DECODE:
+        kwargs["transport"] = transport
+    # On a labelled cluster a worker's domain is where it runs: schedule it on such a node.
+    placement = {"label_selector": {topology.label_key: spec.domain}} if by_label else {}
+    return (
+        ray.remote(cls)
+        .options(
+            name=spec.name,
+            namespace=NAMESPACE,
+            num_cpus=spec.num_cpus,
+            num_gpus=spec.num_gpus,
+            max_restarts=-1,
+            max_task_retries=0,
+            **placement,
+        )
+        .remote(
+            spec.name,
+            spec.domain,
+            str(model_dir),
+            topology.model.name,
+            spec.engine,
+            ROUTER_NAME,
+            report_interval_s=min(0.05, topology.heartbeat_interval_s),
+            namespace=NAMESPACE,
+            **kwargs,
+        )
+    )

@@ -1,0 +1,127 @@
+"""``tandem serve``: start (or join) Ray, deploy the Serve application, serve until Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from tandem.bootstrap import init_ray, loopback_env
+from tandem.topology import load_topology
+
+HTTP_READY_TIMEOUT_S = 600.0
+
+
+def direct_ingress_env(port: int) -> dict[str, str]:
+    """The environment that makes a Ray started with it answer HTTP on ``port`` from the
+    ingress replica itself (Ray Serve's direct ingress) instead of through Serve's proxy actor.
+
+    Behind the proxy every request and every streamed chunk takes one more process hop (replica
+    -> proxy), and the replica hands its ASGI messages to an unbounded queue, so a slow reader's
+    chunks pile up in the proxy. Served by the replica, the ASGI ``send`` is uvicorn's own,
+    which waits while the socket's write buffer is full: backpressure reaches the request, and
+    the hop is gone (measured: docs/benchmarks.md). Ray reads these when its
+    processes start, so they must be in the environment before ``ray.init``. Serve still starts
+    its proxy, on whatever port ``serve.start`` gives it.
+    """
+    return {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        # The range the replica's port is taken from: exactly ``port``.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + 1),
+        # The ASGI app runs on the replica's event loop, so ``send`` is uvicorn's.
+        "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+        # No external load balancer to deregister from: stopping need not wait 30 s.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+
+
+def free_port(host: str, port: int = 0) -> int:
+    """``port`` if it is free to listen on at ``host`` (0: one the OS picks); else a
+    ValueError naming the address, before anything starts."""
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"cannot listen on {host}:{port}: {e.strerror}") from e
+        return int(s.getsockname()[1])
+
+
+def deploy(topology: Path, model: Path | None, host: str, port: int, address: str | None) -> str:
+    """Deploy the application; returns the base URL. A Ray this starts serves HTTP from the
+    ingress replica (:func:`direct_ingress_env`); a cluster joined at ``address``, or a Ray
+    already running in this process, keeps its own Serve settings (the proxy takes ``port``)."""
+    import ray
+    from ray import serve
+
+    from tandem.deployment import app_builder
+
+    proxy_port = port
+    if address:
+        init_ray(address)  # the cluster's own Serve settings apply
+    elif not ray.is_initialized():
+        os.environ.update(direct_ingress_env(port))
+        init_ray()
+        proxy_port = free_port(host)  # ``port`` is the replica's
+    serve.start(http_options={"host": host, "port": proxy_port})
+    args = {"topology": str(topology), "model": str(model) if model else None}
+    serve.run(app_builder(args), name="tandem", route_prefix="/", blocking=False)
+    return f"http://{host}:{port}"
+
+
+def wait_until_ready(
+    url: str, timeout_s: float = HTTP_READY_TIMEOUT_S, stop: threading.Event | None = None
+) -> bool:
+    """Until ``/health`` answers 200 (the cluster's workers have loaded and reported): True;
+    False if ``stop`` was set first."""
+    import urllib.error
+    import urllib.request
+
+    deadline = time.time() + timeout_s
+    stop = stop or threading.Event()
+    while not stop.is_set():  # set while deploying: no "serving" line, straight to shutdown
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as reply:
+                if reply.status == 200:
+                    return True
+        except (urllib.error.URLError, OSError):
+            pass
+        if time.time() > deadline:
+            raise TimeoutError(f"{url}/health did not answer 200 within {timeout_s:.0f} s")
+        stop.wait(0.5)  # a poll interval, cut short by ``stop``
+    return False
+
+
+def serve_forever(
+    topology: Path, model: Path | None, host: str, port: int, address: str | None
+) -> int:
+    loopback_env()
+    import ray
+    from ray import serve
+
+    started = time.time()
+    spec = load_topology(topology)  # fails fast on a bad file, before Ray starts
+    port = free_port(host, port)  # and on a port in use; --port 0 picks one
+    name = (spec.with_model_path(model) if model else spec).model.name
+    # From here on Ctrl-C (or SIGTERM) means: finish starting what was started, then shut down.
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    print(f"tandem: starting {topology} (model: {model or 'from the topology'})", file=sys.stderr)
+    try:
+        url = deploy(topology, model, host, port, address)
+        if wait_until_ready(url, stop=stop):
+            print(f"tandem: serving the OpenAI API at {url}/v1 ({time.time() - started:.1f} s)")
+            body = f'{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 16}}'
+            print(f"  curl {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'")
+            print("  Ctrl-C stops it.", flush=True)
+            stop.wait()
+    finally:
+        print("tandem: shutting down", file=sys.stderr)
+        serve.shutdown()
+        ray.shutdown()
+    return 0

@@ -1,0 +1,350 @@
+"""Endpoint metrics: §2.1 definitions on hand-built timings, exact exposition of known
+observations, independent registries, per-worker labels and the one log line per request."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from api.metrics import (
+    REJECTION_CAUSES,
+    InvalidMetric,
+    Metrics,
+    RequestTiming,
+    log_record,
+)
+from engine.request import FinishReason, RequestStatus
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def samples(m: Metrics) -> Samples:
+    """Every sample of ``render()``, parsed back, keyed by name and labels (no _created)."""
+    body, content_type = m.render()
+    assert content_type.startswith("text/plain")
+    out: Samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            if not s.name.endswith("_created"):
+                out[(s.name, frozenset(s.labels.items()))] = s.value
+    return out
+
+
+def value(got: Samples, name: str, **labels: str) -> float:
+    return got[(name, frozenset(labels.items()))]
+
+
+def timing(
+    emits: list[float],
+    arrival: float = 100.0,
+    status: RequestStatus = RequestStatus.FINISHED,
+    finish_reason: FinishReason | None = FinishReason.EOS,
+    prompt: int = 4,
+    queue: float | None = None,
+    finished: float | None = None,
+) -> RequestTiming:
+    return RequestTiming(
+        request_id="r",
+        tenant="alpha",
+        status=status,
+        finish_reason=finish_reason,
+        arrival=arrival,
+        emit_times=emits,
+        finished=finished if finished is not None else (emits[-1] if emits else arrival) + 0.125,
+        num_prompt_tokens=prompt,
+        queue_time_s=queue,
+    )
+
+
+# -- §2.1 on hand-built timings ---------------------------------------------------------------
+
+
+def test_no_output_token() -> None:
+    t = timing([])
+    assert (t.ttft(), t.itls(), t.tpot(), t.e2e()) == (None, [], None, None)
+
+
+def test_one_output_token() -> None:
+    t = timing([100.25])
+    assert (t.ttft(), t.itls(), t.tpot(), t.e2e()) == (0.25, [], None, 0.25)
+
+
+def test_two_output_tokens() -> None:
+    t = timing([100.25, 100.75])
+    assert (t.ttft(), t.itls(), t.tpot(), t.e2e()) == (0.25, [0.5], 0.5, 0.75)
+
+
+def test_many_tokens_some_sharing_an_emit() -> None:
+    t = timing([100.5, 100.75, 100.75, 100.75, 101.5])
+    assert t.ttft() == 0.5
+    assert t.itls() == [0.25, 0.0, 0.0, 0.75]  # released together: gaps of zero, still counted
+    assert t.tpot() == 1.0 / 4  # (last - first) / (N_out - 1), not / the distinct emits
+    assert t.e2e() == 1.5
+    assert t.num_output_tokens == 5
+
+
+def test_all_tokens_in_one_emit() -> None:
+    t = timing([101.0, 101.0, 101.0])
+    assert (t.ttft(), t.itls(), t.tpot(), t.e2e()) == (1.0, [0.0, 0.0], 0.0, 1.0)
+
+
+@given(
+    arrival=st.floats(0, 1e9),
+    first=st.floats(0, 1e3),
+    gaps=st.lists(st.floats(0, 10), max_size=40),
+)
+def test_identity_e2e_is_ttft_plus_itls(arrival: float, first: float, gaps: list[float]) -> None:
+    emits = [arrival + first]
+    for g in gaps:
+        emits.append(emits[-1] + g)
+    t = timing(emits, arrival=arrival)
+    itls, ttft, e2e, tpot = t.itls(), t.ttft(), t.e2e(), t.tpot()
+    assert len(itls) == len(emits) - 1
+    assert ttft is not None and e2e is not None
+    assert e2e == pytest.approx(ttft + sum(itls), rel=1e-9, abs=1e-6)
+    if len(emits) >= 2:
+        assert tpot is not None
+        assert tpot == pytest.approx(sum(itls) / len(itls), rel=1e-9, abs=1e-6)
+    else:
+        assert tpot is None
+
+
+@pytest.mark.parametrize(
+    ("kw", "says"),
+    [
+        ({"status": RequestStatus.DECODING}, "status 'decoding'"),
+        ({"finish_reason": FinishReason.HANDED_OFF}, "finish_reason 'handed_off'"),
+        ({"prompt": -1}, "num_prompt_tokens -1"),
+    ],
+)
+def test_invalid_timing_is_refused(kw: dict[str, object], says: str) -> None:
+    with pytest.raises(InvalidMetric, match=says):
+        timing([100.5], **kw)  # type: ignore[arg-type]
+
+
+# -- exact exposition ------------------------------------------------------------------------
+
+KNOWN = [
+    # ttft 0.5, itls 0.25 0 0.75, tpot 1/3, e2e 1.5, queue 1/8
+    timing([100.5, 100.75, 100.75, 101.5], prompt=7, queue=0.125),
+    # ttft 0.25, no itl, tpot undefined, e2e 0.25
+    timing([100.25], finish_reason=FinishReason.MAX_TOKENS, prompt=3),
+    # nothing emitted: counted, no latency but the queue time
+    timing(
+        [], status=RequestStatus.FAILED, finish_reason=FinishReason.ERROR, prompt=5, queue=0.0625
+    ),
+    timing([], status=RequestStatus.REJECTED, finish_reason=FinishReason.REJECTED, prompt=0),
+    timing([], status=RequestStatus.CANCELLED, finish_reason=None, prompt=1),
+]
+
+
+def test_request_counters_and_token_totals() -> None:
+    m = Metrics()
+    for t in KNOWN:
+        m.observe_request(t)
+    got = samples(m)
+    requests = {
+        (dict(labels)["status"], dict(labels)["finish_reason"]): v
+        for (name, labels), v in got.items()
+        if name == "tandem_requests_total"
+    }
+    assert requests == {
+        ("finished", "eos"): 1,
+        ("finished", "max_tokens"): 1,
+        ("failed", "error"): 1,
+        ("rejected", "rejected"): 1,
+        ("cancelled", "none"): 1,
+    }
+    assert value(got, "tandem_prompt_tokens_total") == 16
+    assert value(got, "tandem_generation_tokens_total") == 5
+
+
+def buckets(got: Samples, name: str) -> dict[str, float]:
+    return {dict(labels)["le"]: v for (n, labels), v in got.items() if n == f"{name}_bucket"}
+
+
+def test_latency_histograms_exact() -> None:
+    m = Metrics()
+    for t in KNOWN:
+        m.observe_request(t)
+    got = samples(m)
+
+    ttft = "tandem_time_to_first_token_seconds"
+    assert (value(got, f"{ttft}_count"), value(got, f"{ttft}_sum")) == (2, 0.75)
+    b = buckets(got, ttft)
+    assert (b["0.1"], b["0.25"], b["0.5"], b["+Inf"]) == (0, 1, 2, 2)  # le is inclusive
+
+    itl = "tandem_inter_token_latency_seconds"
+    assert (value(got, f"{itl}_count"), value(got, f"{itl}_sum")) == (3, 1.0)
+    b = buckets(got, itl)
+    assert (b["0.001"], b["0.2"], b["0.3"], b["0.5"], b["0.75"], b["+Inf"]) == (1, 1, 2, 2, 3, 3)
+
+    tpot = "tandem_time_per_output_token_seconds"
+    assert (value(got, f"{tpot}_count"), value(got, f"{tpot}_sum")) == (1, 1.0 / 3)
+    b = buckets(got, tpot)
+    assert (b["0.3"], b["0.4"]) == (0, 1)
+
+    e2e = "tandem_e2e_request_latency_seconds"
+    assert (value(got, f"{e2e}_count"), value(got, f"{e2e}_sum")) == (2, 1.75)
+    b = buckets(got, e2e)
+    assert (b["0.1"], b["0.25"], b["1.0"], b["2.5"]) == (0, 1, 1, 2)
+
+    queue = "tandem_queue_time_seconds"
+    assert (value(got, f"{queue}_count"), value(got, f"{queue}_sum")) == (2, 0.1875)
+    b = buckets(got, queue)
+    assert (b["0.05"], b["0.1"], b["0.25"]) == (0, 1, 2)
+
+
+def test_transfer_histograms_exact() -> None:
+    m = Metrics()
+    m.observe_transfer(0.003, 65536)
+    m.observe_transfer(0.2, 5 * 2**20)
+    got = samples(m)
+    s, n = "tandem_kv_transfer_seconds", "tandem_kv_transfer_bytes"
+    assert (value(got, f"{s}_count"), value(got, f"{s}_sum")) == (2, 0.203)
+    b = buckets(got, s)
+    assert (b["0.0025"], b["0.005"], b["0.1"], b["0.25"]) == (0, 1, 1, 2)
+    assert (value(got, f"{n}_count"), value(got, f"{n}_sum")) == (2, 65536 + 5 * 2**20)
+    b = buckets(got, n)
+    assert (b["16384.0"], b["65536.0"], b["4.194304e+06"], b["1.6777216e+07"]) == (0, 1, 1, 2)
+
+
+def test_rejections_by_cause_start_at_zero() -> None:
+    m = Metrics()
+    got = samples(m)
+    zero = {c: value(got, "tandem_rejections_total", cause=c) for c in REJECTION_CAUSES}
+    assert zero == dict.fromkeys(REJECTION_CAUSES, 0.0)
+    assert set(REJECTION_CAUSES) == {
+        "invalid_api_key",
+        "body_too_large",
+        "rate_limited",
+        "too_many_concurrent_requests",
+        "context_length",
+        "kv_capacity",
+        "invalid_request",
+    }
+    m.observe_rejection("rate_limited")
+    m.observe_rejection("rate_limited")
+    m.observe_rejection("kv_capacity")
+    got = samples(m)
+    counts = {c: value(got, "tandem_rejections_total", cause=c) for c in REJECTION_CAUSES}
+    assert counts == {**zero, "rate_limited": 2.0, "kv_capacity": 1.0}
+
+
+def test_unknown_values_are_refused_without_a_new_series() -> None:
+    m = Metrics()
+    before = samples(m)
+    with pytest.raises(InvalidMetric, match="rejection cause 'teapot'"):
+        m.observe_rejection("teapot")
+    with pytest.raises(InvalidMetric, match="kv_usage 1.5"):
+        m.set_worker("w", 1.5, 0, 0, 0.0)
+    with pytest.raises(InvalidMetric, match="prefix_hit_ratio -0.1"):
+        m.set_worker("w", 0.5, 0, 0, -0.1)
+    with pytest.raises(InvalidMetric, match="queue_depth -1"):
+        m.set_worker("w", 0.5, -1, 0, 0.0)
+    with pytest.raises(InvalidMetric, match="negative"):
+        m.observe_transfer(-1.0, 10)
+    assert samples(m) == before
+
+
+# -- per worker, per instance ------------------------------------------------------------------
+
+
+def test_worker_gauges_by_label() -> None:
+    m = Metrics()
+    m.set_worker("prefill-0", 0.25, 3, 2, 0.5)
+    m.set_worker("decode-0", 0.75, 0, 4, 0.0)
+    m.set_worker("prefill-0", 0.5, 1, 1, 0.625)  # the latest report replaces the last
+    got = samples(m)
+    per_worker = {
+        name: {dict(labels)["worker"]: v for (n, labels), v in got.items() if n == name}
+        for name in (
+            "tandem_kv_usage_ratio",
+            "tandem_queue_depth",
+            "tandem_running_requests",
+            "tandem_prefix_cache_hit_ratio",
+        )
+    }
+    assert per_worker == {
+        "tandem_kv_usage_ratio": {"prefill-0": 0.5, "decode-0": 0.75},
+        "tandem_queue_depth": {"prefill-0": 1, "decode-0": 0},
+        "tandem_running_requests": {"prefill-0": 1, "decode-0": 4},
+        "tandem_prefix_cache_hit_ratio": {"prefill-0": 0.625, "decode-0": 0.0},
+    }
+
+
+def test_two_instances_are_independent() -> None:
+    a, b = Metrics(), Metrics()  # one global registry would refuse the second
+    a.observe_request(KNOWN[0])
+    a.observe_rejection("body_too_large")
+    a.set_worker("decode-0", 0.5, 1, 1, 0.5)
+    got_a, got_b = samples(a), samples(b)
+    assert value(got_a, "tandem_time_to_first_token_seconds_count") == 1
+    assert value(got_b, "tandem_time_to_first_token_seconds_count") == 0
+    assert value(got_a, "tandem_rejections_total", cause="body_too_large") == 1
+    assert value(got_b, "tandem_rejections_total", cause="body_too_large") == 0
+    assert not any(n == "tandem_kv_usage_ratio" for n, _ in got_b)
+    assert samples(Metrics()) == got_b
+
+
+# -- the log line ------------------------------------------------------------------------------
+
+
+def test_one_json_line_per_terminal_request(caplog: pytest.LogCaptureFixture) -> None:
+    t = RequestTiming(
+        request_id="req-1",
+        tenant="alpha",
+        status=RequestStatus.FINISHED,
+        finish_reason=FinishReason.STOP_STRING,
+        arrival=100.0,
+        emit_times=[100.5, 100.75, 100.75, 101.5],
+        finished=101.625,
+        num_prompt_tokens=7,
+        queue_time_s=0.125,
+    )
+    with caplog.at_level(logging.INFO, logger="tandem.requests"):
+        line = log_record(t)
+    assert "\n" not in line
+    [record] = caplog.records
+    assert (record.name, record.levelno, record.getMessage()) == (
+        "tandem.requests",
+        logging.INFO,
+        line,
+    )
+    assert json.loads(line) == {
+        "request_id": "req-1",
+        "tenant": "alpha",
+        "status": "finished",
+        "finish_reason": "stop_string",
+        "arrival": 100.0,
+        "num_prompt_tokens": 7,
+        "num_output_tokens": 4,
+        "queue_time_s": 0.125,
+        "ttft_s": 0.5,
+        "tpot_s": 1.0 / 3,
+        "itl_max_s": 0.75,
+        "e2e_s": 1.5,
+        "duration_s": 1.625,
+    }
+
+
+def test_log_line_of_a_request_without_output(caplog: pytest.LogCaptureFixture) -> None:
+    t = timing(
+        [],
+        status=RequestStatus.REJECTED,
+        finish_reason=FinishReason.REJECTED,
+        prompt=0,
+        finished=100.0,
+    )
+    with caplog.at_level(logging.INFO, logger="tandem.requests"):
+        got = json.loads(log_record(t))
+    assert len(caplog.records) == 1
+    assert {k: got[k] for k in ("ttft_s", "tpot_s", "itl_max_s", "e2e_s", "queue_time_s")} == (
+        dict.fromkeys(("ttft_s", "tpot_s", "itl_max_s", "e2e_s", "queue_time_s"))
+    )
+    assert (got["num_output_tokens"], got["duration_s"]) == (0, 0.0)

@@ -1,0 +1,143 @@
+"""The cluster's other shapes on the same Ray session (after test_cluster.py's cluster is gone):
+colocated only (the baseline), torch.distributed (gloo) KV transport with local prefill of
+short prompts, a herding guard that spreads a hot prefix, a client that leaves mid-stream, and
+a request no decode worker has room for."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Coroutine, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+from test_cluster import ENGINE, GREEDY, SEEDED, assert_clean, collect, expected, prompt
+
+from cluster.retry import RetriesExhausted
+from contracts.messages import RequestSpec
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.request import RequestStatus
+from tandem.launch import Cluster, start_cluster
+from tandem.topology import Topology
+
+pytestmark = pytest.mark.e2e
+LOOP = asyncio.new_event_loop()
+COLOCATED = """
+model: {{path: {path}, name: test-llama}}
+pools:
+  prefill: {{replicas: 0}}
+  decode: {{replicas: 0}}
+  colocated: {{replicas: 2, num_cpus: 0.5, engine: {engine}}}
+"""
+TORCH = """
+model: {{path: {path}, name: test-llama}}
+domains: [a, b]
+pools:
+  prefill: {{replicas: 2, num_cpus: 0.5, engine: {engine}}}
+  decode: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
+transport: torch
+router: {{local_prefill_max_tokens: 8, herding_guard: 1}}
+"""
+
+# The decode worker's pool holds 64 blocks (1024 tokens of test-llama, 8 KiB a block).
+SMALL_DECODE = """
+model: {{path: {path}, name: test-llama}}
+pools:
+  prefill: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
+  decode: {{replicas: 1, num_cpus: 0.5, engine: {{kv_cache_bytes: 524288}}}}
+router: {{local_prefill_max_tokens: 0}}
+retry: {{max_attempts: 3, budget_ratio: 1.0, backoff_s: 0.0}}
+"""
+
+
+def run(coro: Coroutine[Any, Any, Any]) -> Any:
+    return LOOP.run_until_complete(asyncio.wait_for(coro, 240))
+
+
+@pytest.fixture(scope="module")
+def colocated(test_llama: Path) -> LLMEngine:
+    return LLMEngine.from_checkpoint(test_llama, EngineConfig(**ENGINE), model_id="test-llama")
+
+
+@contextmanager
+def launch(text: str, path: Path) -> Iterator[Cluster]:
+    c = run(start_cluster(Topology.from_yaml_text(text.format(path=path, engine=ENGINE)), path))
+    try:
+        yield c
+    finally:
+        run(c.shutdown())
+
+
+def test_colocated_topology_serves_the_same_tokens(
+    ray_session: None, test_llama: Path, colocated: LLMEngine
+) -> None:
+    cases = [(prompt(n, n), p) for n in (5, 40) for p in (GREEDY, SEEDED)]
+
+    async def body(c: Cluster) -> None:
+        got = await asyncio.gather(*(collect(c, t, p) for t, p in cases))
+        assert got == [expected(colocated, t, p) for t, p in cases]
+        modes = {d["mode"] for d in await c.router.decisions()}
+        assert modes == {"colocated"}
+        records = c.coordinator.records[-len(cases) :]
+        assert all(r.queue_time_s is not None and r.queue_time_s >= 0 for r in records)
+        await assert_clean(c)
+
+    with launch(COLOCATED, test_llama) as c:
+        run(body(c))
+
+
+def test_torch_transport_local_prefill_herding_and_cancel(
+    ray_session: None, test_llama: Path, colocated: LLMEngine
+) -> None:
+    async def body(c: Cluster) -> None:
+        # Over torch.distributed (gloo), and a short prompt prefilled on the decode worker.
+        cases = [(prompt(60, 1), SEEDED), (prompt(6, 2), GREEDY)]
+        got = [await collect(c, t, p) for t, p in cases]
+        assert got == [expected(colocated, t, p) for t, p in cases]
+        modes = [d["mode"] for d in await c.router.decisions()]
+        assert modes == ["disaggregated", "local_prefill"]
+        # A hot prefix, many at once: the guard keeps affinity from piling them on one.
+        hot = prompt(48, 3)
+        await collect(c, hot + [1], GREEDY)
+        await asyncio.sleep(0.3)
+        tails = [prompt(12, 100 + i) for i in range(8)]  # > local_prefill_max_tokens
+        await asyncio.gather(*(collect(c, hot + tail, GREEDY) for tail in tails))
+        recent = (await c.router.decisions())[-8:]
+        assert {d["prefill"] for d in recent} == {"prefill-0", "prefill-1"}
+        assert any(d["hit_blocks"] == 3 for d in recent)
+        # A client that leaves mid-stream: the request is cancelled, every pool recovers.
+        spec = RequestSpec("leaver", prompt(30, 4), GREEDY, arrival_time=time.time())
+        stream = c.coordinator.generate(spec)
+        await stream.__anext__()
+        await stream.__anext__()
+        await stream.aclose()
+        assert c.coordinator.records[-1].status is RequestStatus.CANCELLED
+        await assert_clean(c)
+
+    with launch(TORCH, test_llama) as c:
+        run(body(c))
+
+
+def test_a_request_no_decode_worker_has_room_for_ends_as_a_capacity_rejection(
+    ray_session: None, test_llama: Path
+) -> None:
+    """The decode worker refuses a prompt its pool cannot hold (phase 2) and is excluded; the
+    retries then find no replica. The request ends ``rejected`` (the API's 503 kv_capacity),
+    not as a generic failure, and the prefill worker's lease is given back."""
+
+    async def body(c: Cluster) -> None:
+        with pytest.raises(RetriesExhausted) as info:
+            await collect(c, prompt(1100), GREEDY)
+        assert info.value.rejected and info.value.attempts == 3, info.value
+        cause = info.value.cause  # the router's own words, not a Ray traceback
+        assert re.fullmatch(
+            r"no replica: no decode replica for request '\w+@3': decode-0 excluded", cause
+        )
+        await assert_clean(c)
+
+    with launch(SMALL_DECODE, test_llama) as c:
+        run(body(c))

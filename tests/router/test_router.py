@@ -1,0 +1,405 @@
+"""Router core: the prefix index against a brute-force model, and the replica choice."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from contracts.roles import Role
+from contracts.routing import Mode, NoReplicaAvailable, RouteRequest, WorkerState
+from engine.kv_cache_manager import prefix_hashes
+from engine.kv_events import KVEvent, KVEventKind
+from router.config import RouterConfig, RouterWeights
+from router.policy import choose
+from router.prefix_index import PrefixIndex
+
+BS = 16
+WORKERS = ("w0", "w1", "w2")
+HASHES = st.integers(0, 11)  # a small universe: chains and holdings overlap often
+
+# -- prefix index ---------------------------------------------------------------------------------
+
+op: st.SearchStrategy[tuple[str, str, list[int]]] = st.one_of(
+    st.tuples(st.just("stored"), st.sampled_from(WORKERS), st.lists(HASHES, max_size=6)),
+    st.tuples(st.just("removed"), st.sampled_from(WORKERS), st.lists(HASHES, max_size=6)),
+    st.tuples(st.just("cleared"), st.sampled_from(WORKERS), st.just([])),
+    st.tuples(st.just("drop"), st.sampled_from(WORKERS), st.just([])),
+)
+
+
+def brute_match(held: set[int], chain: list[int]) -> int:
+    n = 0
+    while n < len(chain) and chain[n] in held:
+        n += 1
+    return n
+
+
+@given(
+    ops=st.lists(op, max_size=40),
+    chains=st.lists(st.lists(HASHES, max_size=8), min_size=1, max_size=6),
+)
+def test_index_matches_brute_force(
+    ops: list[tuple[str, str, list[int]]], chains: list[list[int]]
+) -> None:
+    index = PrefixIndex()
+    model: dict[str, set[int]] = {w: set() for w in WORKERS}
+    for kind, worker, hashes in ops:
+        if kind == "drop":
+            index.drop_worker(worker)
+            model[worker].clear()
+        else:
+            index.apply(worker, [KVEvent(KVEventKind(kind), tuple(hashes))])
+            if kind == "stored":
+                model[worker] |= set(hashes)
+            elif kind == "removed":
+                model[worker] -= set(hashes)
+            else:
+                model[worker].clear()
+    for chain in chains:
+        expected = {w: brute_match(model[w], chain) for w in WORKERS}
+        assert {w: index.match(w, chain) for w in WORKERS} == expected
+        assert index.match_all(chain) == {w: n for w, n in expected.items() if n > 0}
+    assert index.num_entries == sum(len(h) for h in model.values())
+    assert index.num_hashes == len(set().union(*model.values()))
+
+
+def test_events_apply_in_order_within_one_report() -> None:
+    index = PrefixIndex()
+    stored, removed = KVEvent(KVEventKind.STORED, (1, 2, 3)), KVEvent(KVEventKind.REMOVED, (2,))
+    index.apply("w0", [stored, removed])
+    assert index.match("w0", [1, 2, 3]) == 1
+    index.apply("w1", [removed, stored])
+    assert index.match("w1", [1, 2, 3]) == 3
+    index.apply("w1", [KVEvent(KVEventKind.CLEARED), KVEvent(KVEventKind.STORED, (1,))])
+    assert index.match_all([1, 2, 3]) == {"w0": 1, "w1": 1}
+
+
+def test_other_salt_matches_nothing() -> None:
+    tokens = list(range(100, 164))
+    index = PrefixIndex()
+    chain_a = prefix_hashes(tokens, BS, "tenant-a", "m")
+    index.apply("w0", [KVEvent(KVEventKind.STORED, tuple(chain_a))])
+    assert index.match("w0", chain_a) == 4
+    chain_b = prefix_hashes(tokens, BS, "tenant-b", "m")
+    assert index.match("w0", chain_b) == 0
+    assert index.match_all(chain_b) == {}
+    assert index.match_all(prefix_hashes(tokens, BS, "tenant-a", "other-model")) == {}
+
+
+def test_restarted_worker_entries_vanish() -> None:
+    index = PrefixIndex()
+    a = prefix_hashes(list(range(64)), BS, "", "m")
+    b = prefix_hashes(list(range(64, 128)), BS, "", "m")
+    index.apply("w1", [KVEvent(KVEventKind.STORED, tuple(b))])
+    baseline = (index.num_entries, index.num_hashes)
+    index.apply("w0", [KVEvent(KVEventKind.STORED, tuple(a + b[:2]))])
+    assert index.match_all(b) == {"w0": 2, "w1": 4}
+    index.drop_worker("w0")  # restarted: a new incarnation reports from scratch
+    assert index.match("w0", a) == 0
+    assert index.match_all(a) == {}
+    assert index.match_all(b) == {"w1": 4}
+    assert (index.num_entries, index.num_hashes) == baseline
+
+
+# -- policy ---------------------------------------------------------------------------------------
+
+
+def worker(name: str, domain: str = "a", load: int = 0, **kw: object) -> WorkerState:
+    role = Role(name.rsplit("-", 1)[0])
+    return WorkerState(name, role, domain, queue_depth=load, block_size=BS, **kw)  # type: ignore[arg-type]
+
+
+def request(tokens: list[int], rid: str = "r", **kw: object) -> RouteRequest:
+    return RouteRequest(rid, prefix_hashes(tokens, BS, "", "m"), len(tokens), **kw)  # type: ignore[arg-type]
+
+
+def store(index: PrefixIndex, name: str, tokens: list[int]) -> None:
+    index.apply(name, [KVEvent(KVEventKind.STORED, tuple(prefix_hashes(tokens, BS, "", "m")))])
+
+
+NO_LOCAL = RouterConfig(local_prefill_max_tokens=0)
+PROMPT = list(range(1000, 1161))  # 161 tokens: 10 full blocks + 1
+
+
+def test_equal_loads_pick_the_replica_with_hits() -> None:
+    index = PrefixIndex()
+    store(index, "prefill-1", PROMPT)
+    workers = [worker("prefill-0"), worker("prefill-1"), worker("decode-0")]
+    decision = choose(request(PROMPT), workers, index, NO_LOCAL)
+    assert (decision.mode, decision.prefill, decision.decode) == (
+        Mode.DISAGGREGATED,
+        "prefill-1",
+        "decode-0",
+    )
+    assert (decision.hit_blocks, decision.uncached_tokens) == (10, 1)
+
+
+def test_fully_cached_aligned_prompt_still_computes_its_last_block() -> None:
+    index = PrefixIndex()
+    tokens = PROMPT[:160]  # 10 full blocks, all cached: the engine recomputes the last one
+    store(index, "prefill-0", tokens)
+    decision = choose(request(tokens), [worker("prefill-0"), worker("decode-0")], index, NO_LOCAL)
+    assert (decision.hit_blocks, decision.uncached_tokens) == (10, BS)
+
+
+def test_herding_guard_moves_load_off_the_hit_replica() -> None:
+    weights = RouterConfig(
+        weights=RouterWeights(queue_depth=1.0, uncached_prefill_tokens=0.1),
+        herding_guard=2,
+        local_prefill_max_tokens=0,
+    )
+    index = PrefixIndex()
+    store(index, "prefill-0", PROMPT)
+    others = [worker("prefill-1"), worker("decode-0")]
+
+    # At the guard (load 2 above the least loaded): credit holds; 2 + 0.1*1 beats 0.1*161.
+    at_guard = choose(request(PROMPT), [worker("prefill-0", load=2), *others], index, weights)
+    assert at_guard.prefill == "prefill-0"
+    # One above: no credit, so it loses on load alone.
+    over = choose(request(PROMPT), [worker("prefill-0", load=3), *others], index, weights)
+    assert over.prefill == "prefill-1"
+    hit = next(s for s in over.scores if s.name == "prefill-0")
+    assert (hit.herded, hit.hit_blocks, hit.credited_blocks, hit.uncached_tokens) == (
+        True,
+        10,
+        0,
+        161,
+    )
+
+
+def test_ties_break_by_name_whatever_the_order() -> None:
+    workers = [worker(f"prefill-{i}") for i in range(4)] + [worker(f"decode-{i}") for i in range(4)]
+    for seed in range(5):
+        random.Random(seed).shuffle(workers)
+        decision = choose(request(PROMPT), workers, PrefixIndex(), NO_LOCAL)
+        assert (decision.prefill, decision.decode) == ("prefill-0", "decode-0")
+
+
+def test_hot_prefix_in_one_domain_spreads_on_a_tie() -> None:
+    # w_uncached 0.125 (exact in binary): prefill-0 (domain a, 1 hit block of a 17-token prompt,
+    # load 2) costs 2 + 0.125 = 2.125; prefill-1 (domain b, no hits, idle) 0.125 * 17 = 2.125.
+    weights = RouterConfig(
+        weights=RouterWeights(uncached_prefill_tokens=0.125), local_prefill_max_tokens=0
+    )
+    tokens = PROMPT[:17]
+    index = PrefixIndex()
+    store(index, "prefill-0", tokens)
+    decode = worker("decode-0", "c")
+    tied = [worker("prefill-0", "a", load=2), worker("prefill-1", "b"), decode]
+    assert choose(request(tokens), tied, index, weights).prefill == "prefill-1"
+    # Same tie, but no other domain to spread to: by name.
+    same_domain = [worker("prefill-0", "a", load=2), worker("prefill-1", "a"), decode]
+    assert choose(request(tokens), same_domain, index, weights).prefill == "prefill-0"
+    # The prefix already lives in two domains: by name.
+    store(index, "prefill-2", tokens)
+    two_domains = [*tied, worker("prefill-2", "b", load=2)]
+    assert choose(request(tokens), two_domains, index, weights).prefill == "prefill-0"
+
+
+@given(
+    domains=st.lists(st.sampled_from("abc"), min_size=4, max_size=8),
+    healthy=st.lists(st.booleans(), min_size=8, max_size=8),
+    hit_worker=st.integers(0, 7),
+)
+def test_decode_avoids_the_prefill_domain_when_it_can(
+    domains: list[str], healthy: list[bool], hit_worker: int
+) -> None:
+    half = len(domains) // 2
+    workers = [
+        worker(f"{'prefill' if i < half else 'decode'}-{i}", d, healthy=healthy[i])
+        for i, d in enumerate(domains)
+    ]
+    index = PrefixIndex()
+    store(index, workers[hit_worker % len(workers)].name, PROMPT)
+    try:
+        decision = choose(request(PROMPT), workers, index, NO_LOCAL)
+    except NoReplicaAvailable:
+        assert not any(w.healthy for w in workers[:half]) or not any(
+            w.healthy for w in workers[half:]
+        )
+        return
+    prefill_domain = next(w.domain for w in workers if w.name == decision.prefill)
+    others = {w.domain for w in workers[half:] if w.healthy} - {prefill_domain}
+    decode_domain = next(w.domain for w in workers if w.name == decision.decode)
+    assert (decode_domain != prefill_domain) == bool(others)
+
+
+def test_domain_spread_is_a_weighed_penalty() -> None:
+    # decode-1 (other domain) has one more request than decode-0: 1.0 > w_spread 0.5.
+    workers = [worker("prefill-0", "a"), worker("decode-0", "a"), worker("decode-1", "b", load=1)]
+    assert choose(request(PROMPT), workers, PrefixIndex(), NO_LOCAL).decode == "decode-0"
+    spread = RouterConfig(weights=RouterWeights(domain_spread=2.0), local_prefill_max_tokens=0)
+    decision = choose(request(PROMPT), workers, PrefixIndex(), spread)
+    assert decision.decode == "decode-1"
+    terms = {s.name: s.spread for s in decision.scores if s.role is Role.DECODE}
+    assert terms == {"decode-0": 2.0, "decode-1": 0.0}
+
+
+@given(
+    loads=st.lists(st.integers(0, 20), min_size=8, max_size=8),
+    domains=st.lists(st.sampled_from("abcd"), min_size=8, max_size=8),
+    healthy=st.lists(st.booleans(), min_size=8, max_size=8),
+    exclude_domains=st.frozensets(st.sampled_from("abcd"), max_size=3),
+    exclude_workers=st.frozensets(st.integers(0, 7), max_size=3),
+    num_tokens=st.integers(1, 161),
+    local_max=st.sampled_from([0, 64]),
+)
+def test_excluded_and_unhealthy_are_never_chosen(
+    loads: list[int],
+    domains: list[str],
+    healthy: list[bool],
+    exclude_domains: frozenset[str],
+    exclude_workers: frozenset[int],
+    num_tokens: int,
+    local_max: int,
+) -> None:
+    workers = [
+        worker(f"{'prefill' if i < 4 else 'decode'}-{i}", domains[i], loads[i], healthy=healthy[i])
+        for i in range(8)
+    ]
+    index = PrefixIndex()
+    store(index, "prefill-0", PROMPT)
+    store(index, "decode-5", PROMPT)
+    excluded = {f"{'prefill' if i < 4 else 'decode'}-{i}" for i in exclude_workers}
+    route = request(
+        PROMPT[:num_tokens], exclude_workers=frozenset(excluded), exclude_domains=exclude_domains
+    )
+    ok = {
+        w.name
+        for w in workers
+        if w.healthy and w.name not in excluded and w.domain not in exclude_domains
+    }
+    try:
+        decision = choose(route, workers, index, RouterConfig(local_prefill_max_tokens=local_max))
+    except NoReplicaAvailable as exc:
+        pool = [w.name for w in workers if w.role.value == exc.pool]
+        assert not ok & set(pool)
+        assert set(exc.reasons) == set(pool)
+        return
+    chosen = {decision.prefill, decision.decode} - {None}
+    assert chosen <= ok
+    assert {s.name for s in decision.scores} <= ok
+    assert set(decision.skipped).isdisjoint(ok)
+
+
+def test_local_prefill_threshold_is_inclusive() -> None:
+    weights = RouterConfig(local_prefill_max_tokens=32)
+    workers = [worker("prefill-0"), worker("decode-0"), worker("decode-1")]
+    at = choose(request(PROMPT[:32]), workers, PrefixIndex(), weights)
+    assert (at.mode, at.prefill, at.decode, at.uncached_tokens) == (
+        Mode.LOCAL_PREFILL,
+        None,
+        "decode-0",
+        32,
+    )
+    over = choose(request(PROMPT[:33]), workers, PrefixIndex(), weights)
+    assert (over.mode, over.prefill, over.decode) == (Mode.DISAGGREGATED, "prefill-0", "decode-0")
+
+
+def test_local_prefill_counts_the_decode_workers_own_cache() -> None:
+    tokens = PROMPT[:65]
+    index = PrefixIndex()
+    store(index, "decode-1", tokens[:32])  # 2 blocks: 65 - 32 = 33 tokens left on decode-1
+    workers = [worker("prefill-0"), worker("decode-0"), worker("decode-1")]
+    over = choose(request(tokens), workers, index, RouterConfig(local_prefill_max_tokens=32))
+    assert over.mode is Mode.DISAGGREGATED
+    at = choose(request(tokens), workers, index, RouterConfig(local_prefill_max_tokens=33))
+    assert (at.mode, at.decode, at.hit_blocks, at.uncached_tokens) == (
+        Mode.LOCAL_PREFILL,
+        "decode-1",
+        2,
+        33,
+    )
+
+
+def test_local_prefill_needs_no_prefill_replica() -> None:
+    workers = [worker("prefill-0", healthy=False), worker("decode-0")]
+    decision = choose(request(PROMPT[:8]), workers, PrefixIndex(), RouterConfig())
+    assert (decision.mode, decision.decode) == (Mode.LOCAL_PREFILL, "decode-0")
+    with pytest.raises(NoReplicaAvailable, match="no prefill replica .* prefill-0 unhealthy"):
+        choose(request(PROMPT), workers, PrefixIndex(), RouterConfig())
+
+
+def test_colocated_topology_picks_one_replica() -> None:
+    index = PrefixIndex()
+    store(index, "colocated-1", PROMPT)
+    workers = [worker("colocated-0"), worker("colocated-1"), worker("colocated-2", healthy=False)]
+    decision = choose(request(PROMPT), workers, index, RouterConfig())
+    assert (decision.mode, decision.prefill, decision.decode) == (
+        Mode.COLOCATED,
+        None,
+        "colocated-1",
+    )
+    assert decision.skipped == {"colocated-2": "unhealthy"}
+
+
+def test_all_dead_raises_naming_pool_and_reasons() -> None:
+    workers = [
+        worker("prefill-0", "a", healthy=False),
+        worker("prefill-1", "b"),
+        worker("decode-0", "a", healthy=False),
+        worker("decode-1", "b"),
+    ]
+    with pytest.raises(NoReplicaAvailable) as info:
+        choose(request(PROMPT, exclude_domains=frozenset("b")), workers, PrefixIndex(), NO_LOCAL)
+    exc = info.value
+    assert (exc.pool, exc.request_id) == ("decode", "r")
+    assert exc.reasons == {"decode-0": "unhealthy", "decode-1": "in excluded domain b"}
+    assert str(exc) == (
+        "no decode replica for request 'r': decode-0 unhealthy, decode-1 in excluded domain b"
+    )
+    copy = pickle.loads(pickle.dumps(exc))  # it crosses a Ray actor boundary
+    assert (str(copy), copy.pool, copy.reasons) == (str(exc), exc.pool, exc.reasons)
+    with pytest.raises(NoReplicaAvailable, match="the pool has no workers"):
+        choose(request(PROMPT), [], PrefixIndex(), NO_LOCAL)
+
+
+def test_log_line_is_json_with_every_term() -> None:
+    index = PrefixIndex()
+    store(index, "prefill-1", PROMPT)
+    workers = [
+        worker("prefill-0", "a", load=1, kv_usage=0.5),
+        worker("prefill-1", "b", num_running=2),
+        worker("prefill-2", "b", healthy=False),
+        worker("decode-0", "b", kv_usage=0.25),
+    ]
+    line = json.loads(json.dumps(choose(request(PROMPT), workers, index, NO_LOCAL).log_line()))
+    assert {k: line[k] for k in ("request_id", "mode", "prefill", "decode", "hit_blocks")} == {
+        "request_id": "r",
+        "mode": "disaggregated",
+        "prefill": "prefill-1",
+        "decode": "decode-0",
+        "hit_blocks": 10,
+    }
+    assert line["skipped"] == {"prefill-2": "unhealthy"}
+    by_name = {c["name"]: c for c in line["candidates"]}
+    assert list(by_name) == ["prefill-0", "prefill-1", "decode-0"]
+    for c in by_name.values():
+        assert c["total"] == pytest.approx(c["queue"] + c["uncached"] + c["kv"] + c["spread"])
+    assert (by_name["prefill-0"]["queue"], by_name["prefill-0"]["kv"]) == (1.0, 2.0)
+    assert (by_name["prefill-1"]["load"], by_name["prefill-1"]["uncached_tokens"]) == (2, 1)
+    assert (by_name["decode-0"]["spread"], by_name["decode-0"]["kv"]) == (0.5, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("kv_usage", 1.5), ("queue_depth", -1), ("block_size", 0)],
+)
+def test_bad_worker_state_names_field_and_value(field: str, value: float) -> None:
+    kw: dict[str, object] = {"kv_usage": 0.0, "queue_depth": 0, "block_size": BS, field: value}
+    with pytest.raises(ValueError, match=f"{field}={value}"):
+        WorkerState("prefill-0", Role.PREFILL, "a", **kw)  # type: ignore[arg-type]
+
+
+def test_bad_weights_and_requests_name_field_and_value() -> None:
+    with pytest.raises(ValueError, match=r"herding_guard\n.*greater than or equal to 0"):
+        RouterConfig(herding_guard=-1)
+    with pytest.raises(ValueError, match=r"kv_usage\n.*greater than or equal to 0"):
+        RouterWeights(kv_usage=-1.0)
+    with pytest.raises(ValueError, match="num_prompt_tokens=0"):
+        RouteRequest("r", [], 0)
