@@ -1,5 +1,5 @@
-"""What the ingress does with one HTTP request (seed §1.1): gate, parse, tokenise, check the
-context limit, run each choice through the cluster's coordinator, answer or stream.
+"""What the ingress does with one HTTP request (docs/design.md#lifecycle): gate, parse, tokenise,
+check the context limit, run each choice through the cluster's coordinator, answer or stream.
 
 ::
 

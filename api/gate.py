@@ -1,4 +1,5 @@
-"""Phase-1 admission (seed §1.2): the coarse checks an HTTP request passes before tokenising.
+"""Phase-1 admission (docs/design.md#admission): the coarse checks an HTTP request passes before
+tokenising.
 
 Only what is known from the headers and the body size is judged here, cheapest first: body
 size (413), API key (401), the tenant's token bucket (429) and its concurrency limit (429).

@@ -1,14 +1,14 @@
 """Prometheus metrics of the HTTP endpoint, and one JSON log line per terminal request.
 
-Latencies follow the seed's §2.1 exactly. System boundary: ``arrival`` is when the HTTP
+Latencies follow docs/design.md#metrics exactly. System boundary: ``arrival`` is when the HTTP
 endpoint received the request (before the gate and tokenising); an *emit* is when a token's
 text was handed to the client's response stream, one stamp per output token (tokens released
 together share a stamp). With E2E ending at the last emit the identity
 ``e2e == ttft + sum(itls)`` holds exactly; the time after the last emit (final flush, usage
 chunk) shows only in the log line's ``duration_s``.
 
-Output-token counts are *emitted* tokens, what the client received (seed §1.7: generated,
-emitted and committed differ; the engine's terminal record has the other two).
+Output-token counts are *emitted* tokens, what the client received (docs/design.md#cleanup:
+generated, emitted and committed differ; the engine's terminal record has the other two).
 
 Each ``Metrics`` owns its registry, so several apps or tests in one process never collide.
 """
@@ -102,7 +102,8 @@ class RequestTiming:
     def num_output_tokens(self) -> int:
         return len(self.emit_times)
 
-    # The definitions are the engine's (engine/metrics.py, seed §2.1): one place for them.
+    # The definitions are the engine's (engine/metrics.py, docs/design.md#metrics): one place for
+    # them.
     def _times(self) -> RequestTimes:
         return RequestTimes(arrival=self.arrival, emits=list(self.emit_times))
 

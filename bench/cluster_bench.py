@@ -11,7 +11,7 @@ fresh cluster): a shared machine drifts, and a fixed order would charge the drif
 runs second. Samples are pooled per configuration. Two phases per turn:
 
 * latency: one request at a time (closed loop, concurrency 1; no queueing), so TTFT and ITL are
-  the serving path's own. TTFT and ITL follow the seed's §2.1 with arrival = when the client
+  the serving path's own. TTFT and ITL follow docs/design.md#metrics with arrival = when the client
   sends (the coordinator call); a delta carrying k tokens stamps all k at its arrival.
 * throughput: all requests at once (closed loop, labelled as such), output tokens/s.
 

@@ -41,7 +41,7 @@ def log(msg: str) -> None:
 
 
 def ensure_model(size: str) -> Path:
-    from engine.cli import ensure_demo_model
+    from tandem.demo import ensure_demo_model
 
     return ensure_demo_model(size)
 

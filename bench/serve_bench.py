@@ -9,7 +9,7 @@ Ray (a short ``RAY_TMPDIR``: Ray's socket paths must fit 107 bytes); spawn to th
 ``POST /v1/completions`` answered 200, then SIGINT to exit, and whether any process of its Ray
 was left behind.
 
-Steady state: ``api.launch.deploy`` in this process (``local.yaml`` with the demo checkpoint of
+Steady state: ``tandem.serve.deploy`` in this process (``local.yaml`` with the demo checkpoint of
 ``--size``). Per rate, two rounds, each two passes over one open-loop Poisson schedule and one
 set of fresh prompts: HTTP then direct, then (new prompts) direct then HTTP. A shared machine
 drifts (measured here: the same request's TTFT fell ~30% over the first minute of a
@@ -20,8 +20,8 @@ order cancels a linear drift, and the two rounds' samples are pooled per path:
   replica (direct ingress, as ``tandem serve`` runs it), SSE parsed here;
 * direct: ``Coordinator.generate`` in this process over the same router and workers.
 
-Metrics are ``engine.metrics`` (seed §2.1) with arrival = the request's *scheduled* send time
-(coordinated-omission safe; the dispatch delay is printed) and an emit = when this client
+Metrics are ``engine.metrics`` (docs/design.md#metrics) with arrival = the request's *scheduled*
+send time (coordinated-omission safe; the dispatch delay is printed) and an emit = when this client
 received the SSE chunk / delta carrying the token. Requests ask for ``logprobs: 0`` on both paths
 (the same engine work) because it is how an SSE chunk says which tokens it carries: a chunk may
 hold several tokens, or tokens whose text is still held back. The direct pass uses its own

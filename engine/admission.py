@@ -1,4 +1,5 @@
-"""Phase-2 admission (seed §1.2, §5.5): hard limits and KV reservations, accounting only.
+"""Phase-2 admission (docs/design.md#admission, #admission-phase-2): hard limits and KV
+reservations, accounting only.
 
 A reservation is the KV a request may grow into without forcing a preemption; no physical
 block moves until a scheduler tick picks the request. The scheduler owns the requests and

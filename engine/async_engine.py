@@ -12,11 +12,12 @@ Error convention (STYLE 14): every error is *raised from the async iterator* —
 :class:`EngineDeadError` from whichever ``__anext__`` comes after the engine died or shut down.
 A stream that ends normally ends with ``finished=True`` on every one of its n sequences.
 
-Backpressure (seed §1.4, §1.7): a request's buffer holds at most ``max_buffered_outputs`` entries
-(one entry = one tick's deltas of the request). When it fills, the engine thread pauses the
-request (``Scheduler.set_backpressured``: no more tokens, KV kept) and resumes it once the
-consumer has drained it below half. The few deltas a paused request can still produce (its final
-output, a token after a recompute) are folded into the newest entry, so the bound is exact.
+Backpressure (docs/design.md#backpressure, #cleanup): a request's buffer holds at most
+``max_buffered_outputs`` entries (one entry = one tick's deltas of the request). When it fills,
+the engine thread pauses the request (``Scheduler.set_backpressured``: no more tokens, KV kept)
+and resumes it once the consumer has drained it below half. The few deltas a paused request can
+still produce (its final output, a token after a recompute) are folded into the newest entry, so
+the bound is exact.
 """
 
 from __future__ import annotations
@@ -675,7 +676,8 @@ class AsyncLLMEngine:
                 self._records.append(record)
 
     def _terminate(self, reason: str, cause: Exception | None) -> None:
-        """Fail every request (§1.7 FAILED, through the one reclaim path) and every stream."""
+        """Fail every request (docs/design.md#cleanup FAILED, through the one reclaim path) and
+        every stream."""
         with self._cond:
             self._dead = reason  # from now on _submit refuses commands
             self._idle = False

@@ -1,4 +1,5 @@
-"""Device KV block ids and their reference counts (seed §4.2) — the one owner of refcounts.
+"""Device KV block ids and their reference counts (docs/design.md#kv-paging) — the one owner of
+refcounts.
 
 Every block is in exactly one of three places::
 
@@ -201,7 +202,8 @@ class BlockPool:
 
 
 class HostBlockPool:
-    """Host-memory block ids for swapped-out KV: no refcounts, no caching (seed §4.4).
+    """Host-memory block ids for swapped-out KV: no refcounts, no caching
+    (docs/design.md#preemption).
 
     Blocks released by a swap-in stay *in transfer* until :meth:`finish_transfers` (end of
     the scheduling step): the step's host->device copies still read them, and a swap-out

@@ -37,7 +37,8 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Ideal KV payload per token (seed §4.1): 2 * layers * kv_heads * head_dim * bytes."""
+        """Ideal KV payload per token (docs/design.md#kv-paging): 2 * layers * kv_heads * head_dim
+        * bytes."""
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
@@ -64,7 +65,7 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = Field(True, description="split long prompts across steps")
     enable_prefix_caching: bool = Field(True, description="reuse KV of identical token prefixes")
     preemption_mode: Literal["recompute", "swap"] = Field(
-        "recompute", description="how to free KV when blocks run out (seed §4.4)"
+        "recompute", description="how to free KV when blocks run out (docs/design.md#preemption)"
     )
     scheduling_policy: Literal["fcfs", "priority"] = Field("fcfs", description="admission order")
     admission_policy: Literal["queue", "reject", "degrade"] = Field(

@@ -1,6 +1,6 @@
 """Streaming text for one request: incremental detokenisation, then stop-string holdback.
 
-Two boundary problems sit between sampled ids and the client (seed §3.7, [D03]):
+Two boundary problems sit between sampled ids and the client (docs/design.md#streaming-text):
 
 1. A character may span several tokens (UTF-8 split over byte-fallback or byte-level tokens),
    and SentencePiece decoders strip the leading space of the whole text. The

@@ -316,8 +316,8 @@ class LLMEngine:
             self.scheduler.abort(request_id)
 
     def fail_all(self, error: str) -> list[StreamOutput]:
-        """Worker failure or shutdown (seed §1.7): every live sequence ends FAILED, through the
-        one reclaim routine, without running the model again."""
+        """Worker failure or shutdown (docs/design.md#cleanup): every live sequence ends FAILED,
+        through the one reclaim routine, without running the model again."""
         for rid in list(self._seqs):
             self.scheduler.finish_request(rid, FinishReason.ERROR, error=error)
         return [self._finish(rid) for rid in list(self._seqs)]
@@ -392,7 +392,7 @@ class LLMEngine:
         )
 
     def _record_emits(self, seq: _Sequence, num_emitted: int, now: float) -> None:
-        """One emit stamp per token whose text reached the client (seed §2.1)."""
+        """One emit stamp per token whose text reached the client (docs/design.md#metrics)."""
         req = seq.request
         while req.num_emitted < num_emitted:
             req.times.emits.append(now)

@@ -1,4 +1,5 @@
-"""Maps sequences onto KV blocks: reservations, prefix cache, CoW, swap (seed §1.2, §4, §5.5).
+"""Maps sequences onto KV blocks: reservations, prefix cache, CoW, swap (docs/design.md: #kv-cache,
+#admission-phase-2).
 
 Position ``p`` of a sequence lives in block ``table[p // block_size]``. Only FULL blocks are
 hashed; the hash chains over the parent block's hash, so a block is reused only when the
@@ -68,7 +69,8 @@ def token_slice(request: Request, start: int, end: int) -> list[int]:
 
 
 def check_kv_heads_divisible(num_kv_heads: int, tp_degree: int) -> int:
-    """KV heads per tensor-parallel rank (seed [D08]); ValueError unless it divides exactly."""
+    """KV heads per tensor-parallel rank (docs/design.md#kv-paging); ValueError unless it divides
+    exactly."""
     if tp_degree < 1 or num_kv_heads < 1 or num_kv_heads % tp_degree != 0:
         raise ValueError(
             f"num_kv_heads={num_kv_heads} is not divisible by tp_degree={tp_degree}; "
@@ -144,7 +146,7 @@ class KVCacheManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    # -- phase-2 admission: accounting only (seed §1.2, §5.5) --
+    # -- phase-2 admission: accounting only (docs/design.md#admission, #admission-phase-2) --
 
     def _claims(self, exclude: str | None = None) -> int:
         """Sum over requests of max(reserved, held) blocks, leaving out ``exclude``."""
@@ -182,7 +184,7 @@ class KVCacheManager:
         """Longest run of cached FULL blocks matching the request's tokens under its salt.
 
         Capped so the last token is always recomputed (its logits sample the next token,
-        seed §1.1). Takes no references. Returns (block_ids, num_cached_tokens).
+        docs/design.md#lifecycle). Takes no references. Returns (block_ids, num_cached_tokens).
         """
         if not self.enable_prefix_caching:
             return [], 0
@@ -343,7 +345,7 @@ class KVCacheManager:
             num_slots=parent.num_slots,
         )
 
-    # -- freeing and preemption (seed §1.7, §4.4) --
+    # -- freeing and preemption (docs/design.md#cleanup, #preemption) --
 
     def lease(self, request_id: str) -> list[int]:
         """Keep an ended request's device blocks for a transfer (prefill side of

@@ -1,8 +1,9 @@
-"""Steps 1–2 of the sampling pipeline (seed §3.1): hard constraints, then penalties.
+"""Steps 1–2 of the sampling pipeline (docs/design.md#sampling-order): hard constraints, then
+penalties.
 
 Each step touches only the rows that ask for it, so a batch of plain requests pays nothing here.
-Masking a token means setting its logit to ``-inf`` (seed §3.6); the later softmax gives it zero
-probability and argmax never picks it while any finite logit remains.
+Masking a token means setting its logit to ``-inf`` (docs/design.md#sampling-order); the later
+softmax gives it zero probability and argmax never picks it while any finite logit remains.
 """
 
 from __future__ import annotations
@@ -212,7 +213,8 @@ def _token_counts(ids: Sequence[Tensor], vocab: int, device: torch.device) -> Te
 def _apply_repetition_penalty(
     logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
 ) -> None:
-    """Sign-aware (seed §3.4) on every token seen in prompt + output: z/r if z > 0, else z*r."""
+    """Sign-aware (docs/design.md#sampling-order) on every token seen in prompt + output: z/r if z
+    > 0, else z*r."""
     rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if not rows:
         return

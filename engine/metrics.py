@@ -1,4 +1,4 @@
-"""Latency metrics exactly as the seed's §2.1 defines them, from a request's own stamps.
+"""Latency metrics exactly as docs/design.md#metrics defines them, from a request's own stamps.
 
 System boundary: ``arrival`` is when the engine (or the serving layer that created the request)
 received it; an *emit* is when a token's text was released to the client — one stamp per
@@ -44,8 +44,8 @@ def e2e(times: RequestTimes) -> float | None:
 
 def queue_time(times: RequestTimes) -> float | None:
     """Time in the engine's queue: from entering it to the first step that scheduled the
-    request (None until both happened). Part of TTFT, reported apart (seed §2.1: declare
-    whether TTFT includes queueing)."""
+    request (None until both happened). Part of TTFT, reported apart (docs/design.md#metrics:
+    declare whether TTFT includes queueing)."""
     if times.queued is None or times.first_scheduled is None:
         return None
     return times.first_scheduled - times.queued
@@ -62,7 +62,8 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 @dataclass(frozen=True)
 class Goodput:
-    """SLO attainment (a ratio) and goodput (a rate) are different quantities (seed §2.2)."""
+    """SLO attainment (a ratio) and goodput (a rate) are different quantities
+    (docs/design.md#metrics)."""
 
     attainment: float  # N_slo / N_total
     requests_per_s: float  # N_slo / wall seconds

@@ -1,4 +1,5 @@
-"""The request and its state machine (seed §0.2) — the one place that defines both.
+"""The request and its state machine (docs/design.md#request-states) — the one place that defines
+both.
 
 ::
 
@@ -31,7 +32,7 @@ from engine.sampling_params import SamplingParams
 
 
 class IllegalTransition(RuntimeError):
-    """A state change that the §0.2 state machine does not allow."""
+    """A state change that the docs/design.md#request-states state machine does not allow."""
 
 
 class RequestStatus(enum.Enum):
@@ -118,7 +119,8 @@ _REASON_STATUS = {
 
 @dataclass
 class RequestTimes:
-    """Wall-clock stamps (``time.time()``) of one request; metrics derive from these (§2.1)."""
+    """Wall-clock stamps (``time.time()``) of one request; metrics derive from these
+    (docs/design.md#metrics)."""
 
     arrival: float
     queued: float | None = None
@@ -130,7 +132,7 @@ class RequestTimes:
 
 @dataclass(frozen=True)
 class TerminalRecord:
-    """Exactly one per request (seed §1.7 (4)): what billing and logs read."""
+    """Exactly one per request (docs/design.md#cleanup): what billing and logs read."""
 
     request_id: str
     status: RequestStatus
@@ -235,7 +237,8 @@ class Request:
         return self.status.is_terminal
 
     def transition(self, new: RequestStatus) -> None:
-        """Move to ``new``; raise IllegalTransition if §0.2 does not allow it."""
+        """Move to ``new``; raise IllegalTransition if docs/design.md#request-states does not allow
+        it."""
         if new not in ALLOWED_TRANSITIONS[self.status]:
             raise IllegalTransition(f"request {self.request_id}: {self.status.name} -> {new.name}")
         self.status = new

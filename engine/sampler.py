@@ -1,14 +1,14 @@
-"""The sampler: one token per row of a [B, V] logits tensor (seed §3).
+"""The sampler: one token per row of a [B, V] logits tensor (docs/design.md#sampling).
 
-Pipeline (seed §3.1), each step skipped for rows that leave it disabled:
+Pipeline (docs/design.md#sampling-order), each step skipped for rows that leave it disabled:
 
     hard constraints -> penalties -> temperature -> top-k -> top-p -> min-p -> typical -> draw
 
 Steps 1–2 live in :mod:`engine.logits_processors`. ``temperature == 0`` is its own greedy branch
 (argmax, lowest token id wins a tie) and never divides by zero. Each truncation filter
 renormalises what it keeps, so the next filter sees a distribution (top-k then top-p differs from
-top-p then top-k, seed [D02]). Every filter is also a pure function over one 1-D distribution
-(``top_p_filter`` ...) that runs the same batched code on a batch of one.
+top-p then top-k, docs/design.md#sampling-order). Every filter is also a pure function over one 1-D
+distribution (``top_p_filter`` ...) that runs the same batched code on a batch of one.
 
 Randomness is per request: each sequence owns a CPU ``torch.Generator`` and spends one uniform
 per sampled token (inverse CDF), so a seeded request draws the same tokens whatever shares its
@@ -64,7 +64,8 @@ def min_p_mask(probs: Tensor, alpha: Sequence[float]) -> Tensor:
 
 def typical_mask(probs: Tensor, mass: Sequence[float]) -> Tensor:
     """Typical sampling: order tokens by |-log p_i - H| ascending (ties by id) and keep the
-    smallest prefix reaching ``mass``; this may drop the most probable token (seed §3.3)."""
+    smallest prefix reaching ``mass``; this may drop the most probable token
+    (docs/design.md#sampling-order)."""
     logp = probs.log()
     entropy = -torch.where(probs > 0, probs * logp, 0).sum(-1, keepdim=True)
     distance = (-logp - entropy).abs()  # +inf for zero-probability tokens: they sort last
@@ -92,7 +93,8 @@ def _tempered_probs(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
     return torch.softmax((logits - logits.amax(-1, keepdim=True)) / temps, dim=-1)
 
 
-# -- the same filters over a single 1-D distribution (seed §8 [D01] / [D02]) ---------------------
+# -- the same filters over a single 1-D distribution (docs/design.md#sampling-order)
+# ---------------------
 
 
 def temperature_probs(logits: Tensor, temperature: float) -> Tensor:

@@ -1,6 +1,6 @@
-"""Per-request sampling parameters (seed §3) — one validated, immutable object.
+"""Per-request sampling parameters (docs/design.md#sampling) — one validated, immutable object.
 
-Penalty conventions (the seed asks each implementation to declare them):
+Penalty conventions (declared here, as docs/design.md#sampling-order asks):
 - ``repetition_penalty`` applies to every token seen so far, prompt *and* output (HF convention);
 - ``frequency_penalty`` / ``presence_penalty`` count output tokens only (OpenAI convention).
 """

@@ -1,4 +1,5 @@
-"""The scheduler: admission (seed §1.2, §5.5), one tick (§5.1), preemption (§4.4), reclaim (§1.7).
+"""The scheduler: admission, one tick, preemption, reclaim (docs/design.md: #admission-phase-2,
+#scheduler-tick, #preemption, #cleanup).
 
 Count tokens, don't track phases: every request holding KV lets ``num_computed_tokens`` catch
 up with ``num_tokens`` (prompt + output). A chunk whose end reaches ``num_tokens`` samples.
@@ -54,7 +55,7 @@ class Scheduler:
         self._in_flight: set[str] = set()  # ids scheduled by the last schedule(), until update
         self._riders: dict[str, list[Request]] = {}  # parent id -> children forked mid-step
 
-    # -- admission (seed §1.2 phase 2) --
+    # -- admission, phase 2 (docs/design.md#admission-phase-2) --
 
     def add_request(self, req: Request) -> AdmissionResult:
         """Admit ``req`` with a KV reservation, queue it, degrade it, or reject it."""
@@ -120,7 +121,7 @@ class Scheduler:
         self.reclaim(req.request_id)
         return AdmissionResult(S.REJECTED, reason)
 
-    # -- one tick (seed §5.1) --
+    # -- one tick (docs/design.md#scheduler-tick) --
 
     def schedule(self) -> SchedulerOutput:
         """Reclaim, schedule running requests, resume swapped ones, admit waiting ones."""
@@ -215,7 +216,8 @@ class Scheduler:
         return (r.status is S.BACKPRESSURED, r.priority if by_priority else 0, r.arrival_time)
 
     def _pick_victim(self, req: Request, scheduled: dict[str, int]) -> Request | None:
-        """The request to preempt so ``req`` can grow (seed §4.4); None if ``req`` is alone.
+        """The request to preempt so ``req`` can grow (docs/design.md#preemption); None if ``req``
+        is alone.
 
         Another request is preferred; ``req`` itself is returned only when every other one is
         more important, or already has its blocks for this step.
@@ -354,7 +356,7 @@ class Scheduler:
             return FinishReason.CONTEXT_LIMIT
         return None
 
-    # -- ending (seed §1.7) --
+    # -- ending (docs/design.md#cleanup) --
 
     def finish_request(
         self, request_id: str, reason: FinishReason, error: str | None = None

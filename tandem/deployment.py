@@ -5,7 +5,7 @@ async constructor and answers the OpenAI API through ``api.app.Service``. The wo
 named actors owned by the replica: when Serve replaces the replica, they go with it and the new
 replica starts its own. Keep ``num_replicas`` at 1 (two replicas would race for the names).
 
-    serve run deploy/serve.yaml            # import path api.deployment:app_builder
+    serve run deploy/serve.yaml            # import path tandem.deployment:app_builder
     tandem serve --topology FILE           # the same application, from the CLI
 
 No ``from __future__ import annotations`` here: Serve's class-based views need the route
@@ -97,7 +97,7 @@ class Ingress:
 
 
 def app_builder(args: dict[str, Any]) -> Application:
-    """Serve's application builder (``import_path: api.deployment:app_builder``); ``args``:
+    """Serve's application builder (``import_path: tandem.deployment:app_builder``); ``args``:
     ``topology`` (a topology YAML path; default ``deploy/topologies/local.yaml``) and optional
     ``model`` (a checkpoint directory overriding the topology's)."""
     topology = str(args.get("topology") or DEFAULT_TOPOLOGY)

@@ -151,7 +151,7 @@ def bl_tok(byte_level_tokenizer_dir: Path) -> Tokenizer:
 @pytest.fixture(scope="session")
 def direct_ingress_port() -> int:
     """The port the in-process Serve tests' ingress replica answers HTTP on (``ray_session``
-    starts Ray with ``api.launch.direct_ingress_env`` for it, as ``tandem serve`` does)."""
+    starts Ray with ``tandem.serve.direct_ingress_env`` for it, as ``tandem serve`` does)."""
     from tandem.serve import free_port
 
     return free_port("127.0.0.1")

@@ -1,5 +1,5 @@
-"""Endpoint metrics: §2.1 definitions on hand-built timings, exact exposition of known
-observations, independent registries, per-worker labels and the one log line per request."""
+"""Endpoint metrics: docs/design.md#metrics definitions on hand-built timings, exact exposition of
+known observations, independent registries, per-worker labels and the one log line per request."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ def timing(
     )
 
 
-# -- §2.1 on hand-built timings ---------------------------------------------------------------
+# -- docs/design.md#metrics on hand-built timings
+# ---------------------------------------------------------------
 
 
 def test_no_output_token() -> None:

@@ -3,7 +3,7 @@ and 2 decode worker actors in two failure domains, KV over gRPC on 127.0.0.1.
 
 Every client stream is compared token for token with the colocated engine (which the engine
 tests hold equal to transformers); every test ends with every pool back to baseline (P1) and
-one client record per request (P8). Faults are injected with the harness (cluster/faults.py).
+one client record per request (P8). Faults are injected with the harness (contracts/faults.py).
 """
 
 from __future__ import annotations

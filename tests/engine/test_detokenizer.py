@@ -1,4 +1,4 @@
-"""Incremental detokenisation and stop strings (seed §3.7, [D03])."""
+"""Incremental detokenisation and stop strings (docs/design.md#streaming-text)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def byte_ids(tok: Tokenizer, data: bytes) -> list[int]:
     return [i for i in ids if i is not None]
 
 
-# --- [D03] the seed's stop-string demo -------------------------------------------------------
+# --- the stop-string example of docs/design.md#streaming-text
+# -------------------------------------------------------
 
 
 def test_d03_stop_split_across_three_chunks_is_detected() -> None:

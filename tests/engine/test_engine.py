@@ -231,8 +231,9 @@ def test_n_samples_share_prompt_blocks(llama: Path) -> None:
     assert [o.index for o in outs] == [0, 1, 2]
     assert all(len(o.token_ids) == 12 for o in outs)
     assert len({tuple(o.token_ids) for o in outs}) > 1  # independent RNG streams
-    # Seed §3.6: M ≈ M_prompt_shared + n * M_generated. Prompt 40 + 12 generated = 52 tokens:
-    # shared full blocks 2, each sample's tail block(s): positions 32..51 -> 2 blocks each.
+    # docs/design.md#prefix-caching: M ≈ M_prompt_shared + n * M_generated. Prompt 40 + 12
+    # generated = 52 tokens: shared full blocks 2, each sample's tail block(s): positions
+    # 32..51 -> 2 blocks each.
     assert peak[0] == 2 + 3 * 2, peak[0]
     assert len(copies) == 2  # two children copy the shared partial tail on first append
     assert_engine_clean(engine)

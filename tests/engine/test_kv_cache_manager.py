@@ -1,4 +1,5 @@
-"""KVCacheManager: the seed's [D07]/[D08] figures, prefix caching, CoW, reservations, swap."""
+"""KVCacheManager: the sizing figures of docs/design.md#kv-paging, prefix caching, CoW,
+reservations, swap."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def test_check_kv_heads_divisible() -> None:
         check_kv_heads_divisible(8, 0)
 
 
-# -- the seed's figures --
+# -- the sizing figures (docs/design.md#kv-paging) --
 
 
 def test_d07_logical_vs_allocated_slots() -> None:

@@ -1,4 +1,4 @@
-"""Seed §2.1 metric definitions, and the stamps the engine records for them."""
+"""docs/design.md#metrics metric definitions, and the stamps the engine records for them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_definitions_on_known_stamps() -> None:
     assert metrics.ttft(t) == pytest.approx(0.5)
     assert metrics.itls(t) == pytest.approx([0.2, 0.0, 0.6])
     assert metrics.tpot(t) == pytest.approx(0.8 / 3)  # (last - first) / (N_out - 1)
-    # The identity of §2.1: last emit - arrival == TTFT + sum(ITL), exactly.
+    # The identity of docs/design.md#metrics: last emit - arrival == TTFT + sum(ITL), exactly.
     assert metrics.e2e(t) == pytest.approx(metrics.ttft(t) + sum(metrics.itls(t)))  # type: ignore[operator]
 
 

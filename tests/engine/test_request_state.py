@@ -1,4 +1,5 @@
-"""The §0.2 request state machine in engine/request.py: allowed edges work, the rest raise."""
+"""The docs/design.md#request-states request state machine in engine/request.py: allowed edges
+work, the rest raise."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The sampler (seed §3, §8 [D01] [D02], appendix §A items 1–2): exact supports, processors,
+"""The sampler (docs/design.md#sampling, #sampling-order): exact supports, processors,
 per-request RNG streams, snapshot/restore, and logprobs."""
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def processed(logits: list[float], st: SamplingState) -> list[float]:
     return z[0].tolist()
 
 
-# -- [D01] greedy and temperature --------------------------------------------------------------
+# -- docs/design.md#sampling-order greedy and temperature
+# --------------------------------------------------------------
 
 
 def test_greedy_lowest_index_wins_a_tie() -> None:
@@ -87,7 +88,8 @@ def test_tiny_temperature_limit_splits_ties_evenly() -> None:
     assert temperature_probs(t([3.0, 3.0, 0.0]), 1e-4).tolist() == [0.5, 0.5, 0.0]
 
 
-# -- [D01] truncation filters: exact supports --------------------------------------------------
+# -- docs/design.md#sampling-order truncation filters: exact supports
+# --------------------------------------------------
 
 
 def test_top_k_support_size_is_exactly_k_with_id_tie_break() -> None:

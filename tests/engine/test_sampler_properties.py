@@ -1,6 +1,6 @@
-"""Property tests of the sampler's filters (seed §3.3): exact supports against a rational-
-arithmetic reference, shift invariance, nestedness, min-p monotonicity, greedy tie-break, and
-batch independence of a seeded request.
+"""Property tests of the sampler's filters (docs/design.md#sampling-order): exact supports against
+a rational-arithmetic reference, shift invariance, nestedness, min-p monotonicity, greedy
+tie-break, and batch independence of a seeded request.
 
 Inputs live on grids (integer weights and logits, thresholds j/20, power-of-two temperatures) so
 that every comparison is exact or clear of float rounding: the properties hold bit for bit.

@@ -1,4 +1,4 @@
-"""Step-driven scheduler tests (seed §5.1 tick, §1.2 admission, §1.7 reclaim, §4.4 preemption).
+"""Step-driven scheduler tests (docs/design.md: #scheduler-tick, #admission, #cleanup, #preemption).
 
 No model: a fake runner returns the sampled token per request. The default runner samples
 ``100 + position`` (the position the new token will take), so every output is known exactly.
@@ -143,7 +143,7 @@ def expected_tokens(prompt_len: int, n: int) -> list[int]:
     return [100 + prompt_len + i for i in range(n)]
 
 
-# -- [D04] continuous vs static batching (seed §8(b)) --
+# -- continuous vs static batching (docs/design.md#scheduler-tick) --
 
 
 def batching_trace(batching: str, needs: dict[str, int]) -> tuple[dict[str, int], list[int]]:
@@ -184,7 +184,7 @@ def test_d04_equal_lengths_give_equal_makespan() -> None:
     assert comp_cont == comp_static == {"A": 3, "B": 3}
 
 
-# -- [D05] chunked prefill: decode ITL vs the long prompt's own TTFT (seed §A item 5) --
+# -- chunked prefill: decode ITL vs the long prompt's own TTFT (docs/design.md#scheduler-tick) --
 
 
 def chunked_prefill_trace(chunked: bool) -> tuple[float, float]:
@@ -301,7 +301,7 @@ def test_admission_order_fcfs_vs_priority(policy: str, order: list[str]) -> None
     h.assert_drained()
 
 
-# -- preemption (seed §4.4) --
+# -- preemption (docs/design.md#preemption) --
 
 
 def grow_two(h: Harness) -> None:
@@ -491,7 +491,7 @@ def test_sequence_outgrowing_the_whole_pool_fails_alone() -> None:
     assert h.outputs_of("A") == expected_tokens(8, 5)
 
 
-# -- ending: deadline, abort, races (seed §1.7) --
+# -- ending: deadline, abort, races (docs/design.md#cleanup) --
 
 
 def test_deadline_times_out_queued_and_running_requests() -> None:
@@ -589,7 +589,7 @@ def test_token_level_stops() -> None:
     assert h.outputs_of("min") == expected_tokens(4, 6)
 
 
-# -- admission policies and rejection (seed §1.2) --
+# -- admission policies and rejection (docs/design.md#admission) --
 
 
 def test_rejection_reasons_name_the_limit() -> None:

@@ -283,7 +283,7 @@ def test_serve_config_parses_with_one_tandem_application() -> None:
     config = ServeDeploySchema.model_validate(_read_yaml(DEPLOY / "serve.yaml"))
     assert [app.name for app in config.applications] == ["tandem"]
     app = config.applications[0]
-    assert app.import_path == "api.deployment:app_builder"
+    assert app.import_path == "tandem.deployment:app_builder"
     assert app.route_prefix == "/"
     assert "working_dir" not in (app.runtime_env or {})  # `serve run` rejects a local one
     assert (config.http_options.host, config.http_options.port) == ("127.0.0.1", 8000)
