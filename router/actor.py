@@ -19,10 +19,11 @@ import json
 import logging
 import time
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
+from contracts.actors import RouterAPI, WorkerClient
 from contracts.messages import WorkerInfo, WorkerLoad
 from contracts.roles import Role
 from contracts.routing import Decision, RouteRequest, WorkerState
@@ -131,8 +132,8 @@ class RouterActor:
         try:
             while True:
                 try:
-                    handle = ray.get_actor(name, namespace=self.namespace)
-                    info: WorkerInfo = await asyncio.wait_for(handle.ready.remote(), 5.0)
+                    worker = WorkerClient(ray.get_actor(name, namespace=self.namespace))
+                    info: WorkerInfo = await asyncio.wait_for(worker.ready(), 5.0)
                     self.incarnations[name] = info.incarnation
                     self.index.drop_worker(name)
                     self.last_seen[name] = time.time()
@@ -176,3 +177,7 @@ class RouterActor:
 
     async def worker_states(self) -> list[WorkerState]:
         return list(self.states.values())
+
+
+if TYPE_CHECKING:  # mypy checks that the actor serves its interface
+    _: type[RouterAPI] = RouterActor

@@ -21,6 +21,8 @@ from contracts.messages import RequestSpec
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.request import RequestStatus
+from kv_transfer import Transport
+from tandem import launch as launch_module
 from tandem.launch import Cluster, start_cluster
 from tandem.topology import Topology
 
@@ -39,7 +41,7 @@ domains: [a, b]
 pools:
   prefill: {{replicas: 2, num_cpus: 0.5, engine: {engine}}}
   decode: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
-transport: torch
+transport: auto
 router: {{local_prefill_max_tokens: 8, herding_guard: 1}}
 """
 
@@ -91,13 +93,20 @@ def test_colocated_topology_serves_the_same_tokens(
 
 
 def test_torch_transport_local_prefill_herding_and_cancel(
-    ray_session: None, test_llama: Path, colocated: LLMEngine
+    ray_session: None, test_llama: Path, colocated: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """``transport: auto`` where the workers have CUDA (detection faked: these workers run on
+    CPU, so torch.distributed takes gloo) is the torch transport, end to end."""
+    monkeypatch.setattr(launch_module, "workers_have_cuda", lambda topology: True)
+
     async def body(c: Cluster) -> None:
+        assert c.transport is Transport.TORCH
         # Over torch.distributed (gloo), and a short prompt prefilled on the decode worker.
         cases = [(prompt(60, 1), SEEDED), (prompt(6, 2), GREEDY)]
         got = [await collect(c, t, p) for t, p in cases]
         assert got == [expected(colocated, t, p) for t, p in cases]
+        [pull] = await c.workers["decode-0"].transfer_records()
+        assert pull.transport == "torch" and pull.num_bytes > 0
         modes = [d["mode"] for d in await c.router.decisions()]
         assert modes == ["disaggregated", "local_prefill"]
         # A hot prefix, many at once: the guard keeps affinity from piling them on one.
@@ -133,6 +142,7 @@ def test_a_request_no_decode_worker_has_room_for_ends_as_a_capacity_rejection(
         with pytest.raises(RetriesExhausted) as info:
             await collect(c, prompt(1100), GREEDY)
         assert info.value.rejected and info.value.attempts == 3, info.value
+        assert c.coordinator.records[-1].status is RequestStatus.REJECTED
         cause = info.value.cause  # the router's own words, not a Ray traceback
         assert re.fullmatch(
             r"no replica: no decode replica for request '\w+@3': decode-0 excluded", cause
