@@ -34,13 +34,9 @@ from engine.request import FinishReason, RequestStatus, RequestTimes
 
 logger = logging.getLogger("tandem.requests")
 
-# Label values: the engine's terminal statuses and finish reasons (the one outcome type), and
-# "none" for a request that ended without a finish reason (failed, cancelled, rejected).
+# Label values are the engine's terminal statuses and finish reasons (the one outcome type); a
+# request that ended without a finish reason (failed, cancelled, rejected) counts as "none".
 STATUSES = tuple(s.value for s in RequestStatus if s.is_terminal)
-FINISH_REASONS = (
-    *(r.value for r in FinishReason if r is not FinishReason.HANDED_OFF),
-    "none",
-)
 REJECTION_CAUSES = (
     *(code.value for code in RejectCode),  # phase 1, the gate
     "context_length",  # phase 2: prompt + max_tokens beyond the model's context
@@ -170,7 +166,7 @@ class Metrics:
         )
         self.requests = Counter(
             "tandem_requests_total",
-            "Terminal requests, rejected ones included, by status and OpenAI finish reason.",
+            "Terminal requests, rejected ones included, by status and the engine's finish reason.",
             ["status", "finish_reason"],
             registry=r,
         )
