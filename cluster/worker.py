@@ -1,7 +1,9 @@
 """What every worker actor shares: one engine, its reports to the router, fault hooks.
 
-A worker is a Ray actor (async: its methods are coroutines on one event loop) around an
-:class:`~engine.async_engine.AsyncLLMEngine`, whose own thread steps the model. The prefill and
+A worker is a Ray actor (async: its methods are coroutines on one event loop) serving
+``contracts.actors.WorkerAPI`` around an :class:`~engine.async_engine.AsyncLLMEngine`, whose own
+thread steps the model; it uses only the engine's named surface (requests, KV layers, load and
+KV events, imports, leases). The prefill and
 decode actors (``prefill_worker/``, ``decode_worker/``) add their half of the hand-off; any worker
 can also serve a request whole (:meth:`EngineWorker.generate`: the colocated path, and the
 decode worker's local prefill of short prompts).

@@ -343,8 +343,9 @@ class AsyncLLMEngine:
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between two ticks; returns its result or
-        raises its exception (EngineDeadError once the engine is dead). For the short
-        bookkeeping workers do (finish an import, release a lease, read KV events)."""
+        raises its exception (EngineDeadError once the engine is dead). The engine package's
+        own building block (the worker surface's methods use it) and a test hook; callers
+        outside the engine use the named methods."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         self._submit(_Call(fn, loop, future))

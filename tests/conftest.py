@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -192,3 +193,30 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         in_e2e = "e2e" in item.path.relative_to(Path(__file__).parent).parts[:-1]
         if in_e2e or _SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_open_no_socket(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The e2e marker is earned, not remembered: a test without it that starts Ray, a gRPC
+    server or channel, or binds or connects a Python socket (HTTP) fails, saying so."""
+    if request.node.get_closest_marker("e2e") is not None:
+        return
+    import grpc
+    import ray
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"{request.node.nodeid} uses the network: tests that start Ray, gRPC servers or "
+            "HTTP are marked e2e (see tests/conftest.py)"
+        )
+
+    for owner, name in [
+        (socket.socket, "bind"),
+        (socket.socket, "connect"),
+        (grpc, "server"),
+        (grpc, "insecure_channel"),
+        (ray, "init"),
+    ]:
+        monkeypatch.setattr(owner, name, refuse)
