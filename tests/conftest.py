@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pytest
-from hypothesis import settings
+from hypothesis import Phase, settings
 
 # Ray reads these when it is imported: set before any test module imports it (loopback only,
 # no auth on test clusters: docs/design.md#ray-runtime).
@@ -24,7 +24,17 @@ from engine.tokenizer import Tokenizer  # noqa: E402
 # CI runs the property tests with a fixed seed per test (a red CI names a real, reproducible
 # counterexample, never a lucky draw); locally they explore new examples each run.
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True)
-if os.environ.get("CI"):
+# `make mutation`: the CI examples, but a failure is not shrunk (a mutant only needs to fail;
+# shrinking a broken scheduler's counterexample can take longer than the mutant's time limit).
+settings.register_profile(
+    "mutation",
+    parent=settings.get_profile("ci"),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+    print_blob=False,
+)
+if os.environ.get("TANDEM_MUTATION"):
+    settings.load_profile("mutation")
+elif os.environ.get("CI"):
     settings.load_profile("ci")
 
 

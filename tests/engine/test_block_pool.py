@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 
 from engine.block_pool import BlockPool, HostBlockPool, KVInvariantError
+from engine.kv_events import KVEvent, KVEventKind
 
 
 def counts(pool: BlockPool) -> tuple[int, int, int]:
@@ -193,3 +196,156 @@ def test_host_pool_holds_swap_in_sources_until_step_end() -> None:
     host.check(held=[])
     with pytest.raises(KVInvariantError, match="host pool"):
         host.check(held=[0])
+
+
+# -- pinned by mutation testing (make mutation): every check() rule fires on its own --
+
+
+def corrupt_twice_free(pool: BlockPool) -> None:
+    pool._free.append(0)
+
+
+def corrupt_free_and_cached(pool: BlockPool) -> None:
+    pool._lru[0] = None
+
+
+def corrupt_lost_block(pool: BlockPool) -> None:
+    pool.allocate(1)
+    pool._refcount[0] = 0  # released without going back to the free list
+
+
+def corrupt_negative_refcount(pool: BlockPool) -> None:
+    pool._refcount[0] = -1
+
+
+def corrupt_hashed_free_block(pool: BlockPool) -> None:
+    pool._block_hash[0] = 5
+
+
+def corrupt_held_free_block(pool: BlockPool) -> None:
+    pool.allocate(2)
+    pool._free.append(0)  # block 0 is held and on the free list
+    pool._refcount[1] = 0  # block 1 is lost, so the counts still add up
+
+
+def corrupt_unhashed_cached_block(pool: BlockPool) -> None:
+    pool.allocate(1)
+    pool._refcount[0] = 0
+    pool._lru[0] = None
+
+
+def corrupt_held_cached_block(pool: BlockPool) -> None:
+    pool.allocate(2)
+    pool.cache(0, 9)
+    pool._lru[0] = None  # block 0 is held and on the LRU list
+    pool._refcount[1] = 0  # block 1 is lost, so the counts still add up
+
+
+def corrupt_hash_maps(pool: BlockPool) -> None:
+    pool.allocate(1)
+    pool.cache(0, 9)
+    pool._hash_to_block[9] = 1
+
+
+def corrupt_extra_hash_entry(pool: BlockPool) -> None:
+    pool.allocate(1)
+    pool.cache(0, 9)
+    pool._hash_to_block[10] = 0
+
+
+def corrupt_content_keys(pool: BlockPool) -> None:
+    pool.allocate(1)
+    pool.cache(0, 9, key=("k",))
+    del pool._block_key[0]
+
+
+CORRUPTIONS: list[tuple[Callable[[BlockPool], None], str]] = [
+    (corrupt_twice_free, "a block is on the free list twice"),
+    (corrupt_free_and_cached, "a block is both free and cached"),
+    (corrupt_lost_block, r"free 1 \+ cached 0 \+ in_use 0 != total 2"),
+    (corrupt_negative_refcount, "block 0 has refcount -1"),
+    (corrupt_hashed_free_block, "free block 0 is held or hashed"),
+    (corrupt_held_free_block, "free block 0 is held or hashed"),
+    (corrupt_unhashed_cached_block, "cached block 0 is held or unhashed"),
+    (corrupt_held_cached_block, "cached block 0 is held or unhashed"),
+    (corrupt_hash_maps, "hash map and block-hash map disagree"),
+    (corrupt_extra_hash_entry, "hash map and block-hash map disagree"),
+    (corrupt_content_keys, "content keys out of step with cached hashes"),
+]
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    CORRUPTIONS,
+    ids=[corrupt.__name__.removeprefix("corrupt_") for corrupt, _ in CORRUPTIONS],
+)
+def test_check_names_each_broken_invariant(
+    corrupt: Callable[[BlockPool], None], message: str
+) -> None:
+    """Each kind of bookkeeping corruption makes check() raise with its own message."""
+    pool = BlockPool(2)
+    pool.check()
+    corrupt(pool)
+    with pytest.raises(KVInvariantError, match=f"^{message}$"):
+        pool.check()
+
+
+def test_uncache_refuses_unheld_and_unhashed_blocks() -> None:
+    """uncache() needs a held, hashed block: a cached (refcount 0) or unhashed one raises."""
+    pool = BlockPool(2)
+    a, b = pool.allocate(2) or []
+    with pytest.raises(KVInvariantError, match=f"uncache\\(\\) of unheld or unhashed block {b}"):
+        pool.uncache(b)  # held, never hashed
+    pool.cache(a, 9)
+    pool.decref([a])  # cached at refcount 0
+    with pytest.raises(KVInvariantError, match=f"unheld or unhashed block {a}"):
+        pool.uncache(a)
+    assert pool.lookup(9) == a and counts(pool) == (0, 1, 1)
+    pool.check()
+
+
+def test_events_are_recorded_only_once_turned_on_and_merge_runs() -> None:
+    """STORED/REMOVED events are kept only after record_events(); runs of one kind merge."""
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3) or []
+    pool.cache(a, 10)
+    assert pool.take_events() == []  # not recording yet
+    pool.record_events()
+    pool.cache(b, 11)
+    pool.cache(c, 12)
+    pool.uncache(c)
+    pool.uncache(b)
+    pool.cache(c, 13)
+    assert pool.take_events() == [
+        KVEvent(KVEventKind.STORED, (11, 12)),
+        KVEvent(KVEventKind.REMOVED, (12, 11)),
+        KVEvent(KVEventKind.STORED, (13,)),
+    ]
+    assert pool.take_events() == []
+    pool.record_events()  # a second call keeps what is recorded
+    pool.decref([a, b, c])
+    pool.allocate(4)  # evicts the cached blocks, oldest first
+    pool.record_events()
+    assert pool.take_events() == [KVEvent(KVEventKind.REMOVED, (10, 13))]
+    assert pool.cached_hashes() == []
+
+
+def test_cached_hashes_lists_every_cached_hash() -> None:
+    """cached_hashes() is every hash in the prefix cache, held or evictable."""
+    pool = BlockPool(3)
+    a, b, _ = pool.allocate(3) or []
+    pool.cache(a, 7)
+    pool.cache(b, 8)
+    pool.decref([a])
+    assert sorted(pool.cached_hashes()) == [7, 8]
+
+
+def test_size_limits_of_the_pools() -> None:
+    """A one-block pool and an empty host pool are valid; negative sizes and counts raise."""
+    pool = BlockPool(1)
+    assert pool.allocate(1) == [0] and pool.allocate(1) is None
+    with pytest.raises(ValueError, match="n=-1: must be >= 0"):
+        pool.allocate(-1)
+    assert HostBlockPool(0).allocate(1) is None
+    with pytest.raises(ValueError, match="num_host_blocks=-1: must be >= 0"):
+        HostBlockPool(-1)

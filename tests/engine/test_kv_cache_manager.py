@@ -575,3 +575,240 @@ def test_prefix_hashes_match_the_cache_keys() -> None:
     stored = [kv.pool.block_hash(b) for b in kv.block_table("a")[:2]]
     assert stored == prefix_hashes(list(range(11)), 4, "tenant-1", "m")
     assert prefix_hashes(list(range(11)), 4, "tenant-2", "m")[0] not in stored
+
+
+# -- pinned by mutation testing (make mutation) --
+
+
+def test_forked_child_caches_its_blocks_under_the_parents_salt() -> None:
+    """A forked child keeps the parent's salt: its new blocks hit only within that tenant."""
+    kv = KVCacheManager(8, 4)
+    parent = req("p", [1, 2, 3, 4, 5, 6], salt="tenant-a")
+    prefill(kv, parent)
+    kv.fork("p", "c")
+    child = req("c", [1, 2, 3, 4, 5, 6], salt="tenant-a")
+    child.num_computed_tokens = 6
+    assert decode(kv, child, 7) is not None  # CoW of the shared tail
+    assert decode(kv, child, 8) == []  # fills the tail: the child caches block 2
+    kv.take_pending_copies()
+    table = kv.block_table("c")
+    probe = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert kv.get_computed_blocks(req("x", probe, salt="tenant-a")) == (table, 8)
+    assert kv.get_computed_blocks(req("y", probe, salt="tenant-b")) == ([], 0)
+    assert kv.get_computed_blocks(req("z", probe)) == ([], 0)
+    assert kv.stats().logical_slots == 6 + 8  # the child's num_slots followed it
+    kv.free("p")
+    kv.free("c")
+    kv.check_idle()
+
+
+def test_fork_copies_table_and_hash_chain_not_aliases() -> None:
+    """The child's table and hash chain are copies: the parent's growth leaves them alone."""
+    kv = KVCacheManager(8, 4)
+    parent = req("p", [1, 2, 3, 4, 5])
+    prefill(kv, parent)
+    kv.fork("p", "c")
+    for token in (6, 7, 8, 9):
+        decode(kv, parent, token)  # CoW of the tail, then a third block
+    kv.take_pending_copies()
+    assert len(kv.block_table("p")) == 3 and len(kv.block_table("c")) == 2
+    assert kv.block_table("c")[0] == kv.block_table("p")[0]
+    assert kv.stats().logical_slots == 9 + 5
+    kv.free("p")
+    kv.free("c")
+    kv.check_idle()
+
+
+def test_check_kv_heads_divisible_accepts_one_head_and_returns_an_int() -> None:
+    """One KV head on one rank is valid; the per-rank count is an int."""
+    assert check_kv_heads_divisible(1, 1) == 1
+    per_rank = check_kv_heads_divisible(6, 2)
+    assert per_rank == 3 and type(per_rank) is int
+    with pytest.raises(ValueError, match="num_kv_heads=0"):
+        check_kv_heads_divisible(0, 1)
+
+
+def test_release_reservation_of_an_unknown_request_is_a_no_op() -> None:
+    """Releasing a reservation that does not exist changes nothing and does not raise."""
+    kv = KVCacheManager(4, 4)
+    assert kv.reserve("a", 8)
+    kv.release_reservation("b")
+    assert kv.stats().reserved_blocks == 2
+    kv.release_reservation("a")
+    kv.check_idle()
+
+
+def test_lease_keeps_the_blocks_until_free() -> None:
+    """A lease drops the reservation but keeps the blocks in use until free() ends it."""
+    kv = KVCacheManager(4, 4)
+    r = req("a", [1, 2, 3, 4, 5])
+    assert kv.reserve("a", 8)
+    prefill(kv, r)
+    table = kv.block_table("a")
+    assert kv.lease("a") == table and kv.leased_ids == frozenset({"a"})
+    s = kv.stats()
+    assert (s.reserved_blocks, s.in_use_blocks) == (0, 2)
+    with pytest.raises(KVInvariantError, match="pool not back to baseline"):
+        kv.check_idle()
+    assert kv.free("a") and kv.leased_ids == frozenset()
+    kv.check_idle()
+    with pytest.raises(ValueError, match="lease: request a holds no device blocks"):
+        kv.lease("a")
+
+
+def test_lease_of_a_swapped_request_is_refused() -> None:
+    """A swapped-out request holds no device blocks to lease."""
+    kv = KVCacheManager(4, 4, num_host_blocks=4)
+    prefill(kv, req("a", [1, 2, 3, 4, 5]))
+    assert kv.swap_out("a") is not None
+    with pytest.raises(ValueError, match="lease: request a holds no device blocks"):
+        kv.lease("a")
+    assert kv.leased_ids == frozenset()
+    kv.free("a")
+    kv.check_idle()
+
+
+def test_imported_kv_is_cached_only_once_verified() -> None:
+    """Blocks allocated with cache=False enter the prefix cache at cache_computed()."""
+    kv = KVCacheManager(8, 4)
+    r = req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert kv.allocate_slots(r, 9, cache=False) == [0, 1, 2]
+    kv.take_pending_copies()
+    probe = req("p", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert kv.get_computed_blocks(probe) == ([], 0)
+    kv.cache_computed(r)  # nothing computed yet: nothing to cache
+    assert kv.get_computed_blocks(probe) == ([], 0)
+    r.num_computed_tokens = 7
+    kv.cache_computed(r)
+    assert kv.get_computed_blocks(probe) == ([0], 4)
+    r.num_computed_tokens = 9
+    kv.cache_computed(r)
+    kv.cache_computed(r)  # repeats are no-ops
+    assert kv.get_computed_blocks(probe) == ([0, 1], 8)
+    kv.cache_computed(req("unknown", [1]))
+    kv.free("a")
+    kv.check_idle()
+
+
+def test_cache_computed_respects_disabled_prefix_caching() -> None:
+    """With prefix caching off, verified imported KV is never cached."""
+    kv = KVCacheManager(8, 4, enable_prefix_caching=False)
+    r = req("a", [1, 2, 3, 4, 5])
+    kv.allocate_slots(r, 5, cache=False)
+    r.num_computed_tokens = 5
+    kv.cache_computed(r)
+    assert kv.pool.cached_hashes() == []
+    kv.free("a")
+    assert kv.stats().cached_blocks == 0
+    kv.check_idle()
+
+
+@pytest.mark.parametrize("leak", ["reserved", "in_use", "host"])
+def test_check_idle_names_what_is_not_back(leak: str) -> None:
+    """check_idle() fails on a leftover reservation, block in use, or held host block."""
+    kv = KVCacheManager(4, 4, num_host_blocks=2)
+    kv.check_idle()
+    if leak == "reserved":
+        kv.reserve("a", 4)
+    else:
+        prefill(kv, req("a", [1, 2, 3]))
+        if leak == "host":
+            assert kv.swap_out("a") is not None
+    with pytest.raises(KVInvariantError, match="pool not back to baseline"):
+        kv.check_idle()
+    kv.free("a")
+    kv.check_idle()
+
+
+def test_swap_out_in_the_same_step_uncaches_blocks_never_computed() -> None:
+    """A request swapped out before its forward takes this step's newly cached blocks back."""
+    kv = KVCacheManager(8, 4, num_host_blocks=4)
+    prefill(kv, req("a", [1, 2, 3, 4, 5]))  # step ran: block [1, 2, 3, 4] is cached
+    b = req("b", [1, 2, 3, 4, 6, 7, 8, 9, 0])
+    hits, b.num_computed_tokens = kv.get_computed_blocks(b)
+    kv.allocate_slots(b, 5, hits)  # caches block [6, 7, 8, 9] for this step's forward
+    pairs = kv.swap_out("b")  # preempted before the forward ran
+    assert pairs is not None and len(pairs) == 3
+    assert kv.get_computed_blocks(req("c", b.all_token_ids)) == (hits, 4)  # committed hit stays
+    assert len(kv.pool.cached_hashes()) == 1
+    kv.free("a")
+    kv.free("b")
+    kv.check_idle()
+
+
+def test_swap_out_releases_the_deepest_block_first() -> None:
+    """Swapped-out blocks go to the LRU tail first, so the deepest prefix block is evicted first."""
+    kv = KVCacheManager(4, 2, num_host_blocks=4)
+    prefill(kv, req("a", [1, 2, 3, 4, 5, 6, 7]))  # 3 full blocks cached + a partial tail
+    b0, b1, b2, b3 = kv.block_table("a")
+    pairs = kv.swap_out("a")
+    assert pairs is not None and [d for d, _ in pairs] == [b0, b1, b2, b3]
+    assert (kv.stats().free_blocks, kv.stats().cached_blocks) == (1, 3)
+    assert prefill(kv, req("c", [9, 9, 9])) == [b3, b2]  # the free one, then b2 (deepest)
+    assert kv.get_computed_blocks(req("d", [1, 2, 3, 4, 5, 6, 0])) == ([b0, b1], 4)
+    kv.free("a")
+    kv.free("c")
+    kv.check_idle()
+
+
+def test_block_hashes_are_stable_golden_values() -> None:
+    """hash_block's encoding is fixed: routers and engines in other processes must agree."""
+    assert hash_block(None, [1, 2, 3, 4], ("", "m")) == 3608752165236924298
+    assert hash_block(7, [1, 2, 3, 4], ("salt", "m")) == 8345030227118645802
+    chain = [7214037947964759520, 11216070355372478009]
+    assert prefix_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4, "", "") == chain
+    kv = KVCacheManager(4, 4)  # the default model id is ""
+    prefill(kv, req("a", [1, 2, 3, 4, 5, 6, 7, 8, 9]))
+    assert sorted(kv.pool.cached_hashes()) == sorted(chain)
+    kv.free("a")
+    kv.check_idle()
+
+
+def test_a_hash_collision_is_a_miss() -> None:
+    """A cached block whose content key differs (a 64-bit collision) is never a prefix hit."""
+    kv = KVCacheManager(4, 4)
+    probe = req("p", [1, 2, 3, 4, 5])
+    h = hash_block(None, (1, 2, 3, 4), ("", ""))
+    (b,) = kv.pool.allocate(1) or []
+    kv.pool.cache(b, h, key=(None, (9, 9, 9, 9), ("", "")))  # other tokens, same hash
+    assert kv.get_computed_blocks(probe) == ([], 0)
+    kv.pool.decref([b])
+    kv.check_idle()
+
+
+def test_one_token_blocks_and_prefix_hit_accounting() -> None:
+    """block_size 1 is valid; prefix query and hit tokens add up over requests."""
+    kv = KVCacheManager(16, 1)
+    prefill(kv, req("a", [1, 2, 3]))
+    prefill(kv, req("b", [1, 2, 3, 4]))  # hits 3 of 4 tokens
+    prefill(kv, req("c", [1, 2, 9]))  # hits 2 of 3 tokens
+    s = kv.stats()
+    assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (10, 5)
+    assert s.prefix_hit_ratio == 0.5
+    for rid in "abc":
+        kv.free(rid)
+    kv.check_idle()
+    with pytest.raises(ValueError, match="block_size=0: must be >= 1"):
+        KVCacheManager(4, 0)
+
+
+def test_lease_of_a_request_without_reservation() -> None:
+    """A forked child (it never reserved) can be leased and freed like any other."""
+    kv = KVCacheManager(4, 4)
+    prefill(kv, req("p", [1, 2, 3, 4, 5]))
+    kv.fork("p", "c")
+    assert kv.lease("c") == kv.block_table("p")
+    kv.free("p")
+    kv.free("c")
+    kv.check_idle()
+
+
+def test_computed_blocks_must_be_covered_by_computed_tokens() -> None:
+    """Prefix hits need num_computed_tokens to cover them all: one token short raises."""
+    kv = KVCacheManager(4, 4)
+    prefill(kv, req("a", [1, 2, 3, 4, 5]))
+    b = req("b", [1, 2, 3, 4, 5])
+    hits, _ = kv.get_computed_blocks(b)
+    b.num_computed_tokens = 3
+    with pytest.raises(ValueError, match="request b: num_computed_tokens does not cover"):
+        kv.allocate_slots(b, 2, hits)

@@ -155,3 +155,17 @@ def test_the_record_log_keeps_the_latest_and_counts_every_one() -> None:
     assert list(log) == [2, 3, 4] and len(log) == 3 and log.total == 5
     assert log.since(3) == [3, 4] and log.since(0) == [2, 3, 4] and log.since(5) == []
     assert log[-1] == 4 and log[-2:] == [3, 4] and list(reversed(log)) == [4, 3, 2]
+
+
+def test_the_record_log_keeps_ten_thousand_by_default() -> None:
+    """Without ``keep`` a record log is bounded at RECORDS_KEPT (10,000) records."""
+    log: RecordLog[int] = RecordLog()
+    for i in range(10_001):
+        log.append(i)
+    assert len(log) == 10_000 and log.total == 10_001 and log[0] == 1
+
+
+def test_request_times_start_at_its_arrival() -> None:
+    """A request's times record its arrival stamp (TTFT and queue metrics start there)."""
+    req = Request("a", [1], SamplingParams(), arrival_time=12.5)
+    assert req.times.arrival == 12.5 and req.times.queued is None

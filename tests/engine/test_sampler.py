@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 import torch
+import xxhash
 
 from engine.logits_processors import TokenHistory, process_logits
 from engine.request import Request
@@ -16,6 +17,7 @@ from engine.sampler import (
     Sampler,
     SamplingSnapshot,
     SamplingState,
+    _draw,
     greedy_token,
     min_p_filter,
     min_p_mask,
@@ -415,3 +417,129 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
 def test_shape_mismatch_is_rejected() -> None:
     with pytest.raises(ValueError, match="logits shape"):
         Sampler(4)(torch.zeros(2, 5), [state(SamplingParams()), state(SamplingParams())])
+
+
+# -- pinned by mutation testing (make mutation) --------------------------------------------------
+
+
+def test_unseeded_requests_derive_their_stream_from_request_id_and_engine_seed() -> None:
+    """An unseeded request's generator is seeded from (engine seed, request id, sample index)."""
+    params = SamplingParams(no_repeat_ngram_size=2)
+    a = Request("a", [1, 2], params, eos_token_ids=frozenset({3}))
+    b = Request("b", [1, 2], params)
+    st_a = SamplingState.for_request(a, engine_seed=7, sample_index=2)
+    assert st_a.generator.initial_seed() == xxhash.xxh64_intdigest(b"7:a:2")
+    assert st_a.generator.initial_seed() == request_seed(None, "a", 7, 2)
+    assert st_a.params is params and st_a.eos_token_ids == {3}
+    assert st_a.history.prompt is a.prompt_token_ids and st_a.history.output is a.output_token_ids
+    seeds = {
+        SamplingState.for_request(a, engine_seed=7).generator.initial_seed(),
+        SamplingState.for_request(b, engine_seed=7).generator.initial_seed(),
+        SamplingState.for_request(a, engine_seed=8).generator.initial_seed(),
+        st_a.generator.initial_seed(),
+    }
+    assert len(seeds) == 4  # no two unseeded sequences share a stream
+    row = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    sampler = Sampler(64)
+    draws = run_steps(
+        sampler,
+        [row, row],
+        [
+            SamplingState.for_request(Request("x", [1], SamplingParams()), engine_seed=0),
+            SamplingState.for_request(Request("y", [1], SamplingParams()), engine_seed=0),
+        ],
+        8,
+    )
+    assert draws[0] != draws[1]
+
+
+def test_request_seed_keys_are_stable() -> None:
+    """Derived seeds are xxh64 of a fixed key format, so every worker derives the same one."""
+    assert request_seed(None, "r", 5) == xxhash.xxh64_intdigest(b"5:r:0")
+    assert request_seed(42, "r", 5, sample_index=3) == xxhash.xxh64_intdigest(b"42:3")
+    assert request_seed(0, "r", 5) == 0  # a seed of 0 is a seed, not "unseeded"
+
+
+def test_restore_keeps_the_eos_ids() -> None:
+    """A restored state keeps its EOS ids, so min_tokens still masks EOS after a migration."""
+    params = SamplingParams(min_tokens=3, seed=5)
+    original = SamplingState.create(params, [1], [], seed=5, eos_token_ids=frozenset({2}))
+    output = [0]
+    restored = SamplingState.restore(
+        SamplingSnapshot(original.snapshot().rng_state, 1),
+        params,
+        [1],
+        output,
+        eos_token_ids=frozenset({2}),
+    )
+    assert restored.eos_token_ids == {2} and restored.history.output is output
+    # EOS (id 2) has by far the largest logit, but only one of three tokens is out
+    out = Sampler(4)(t([[0.0, 0.0, 50.0, 0.0]]), [restored])
+    assert out.token_ids[0] != 2
+
+
+def test_typical_ignores_zero_probability_tokens_in_the_entropy() -> None:
+    """Zero-probability tokens (say, cut by top-k) add nothing to the entropy typical-p uses."""
+    q = typical_filter(t([0.5, 0.3, 0.2, 0.0]), 0.5)
+    # H = 1.0297; |-log p - H| orders the tokens 0.3, 0.5, 0.2: the first two reach 0.5
+    assert q.tolist() == pytest.approx([0.625, 0.375, 0.0, 0.0])
+
+
+def test_temperature_is_applied_against_each_rows_own_max() -> None:
+    """Rows of very different scale in one batch each keep a finite, correct distribution."""
+    logits = t([[0.0, 30.0, -30.0], [500.0, 530.0, 470.0]])
+    params = SamplingParams(temperature=1.0, seed=1)
+    states = [SamplingState.create(params, [0], [], seed=s) for s in (1, 2)]
+    # token 1 holds all but ~1e-13 of both rows' mass
+    assert Sampler(3)(logits, states).token_ids == [1, 1]
+
+
+def test_logprobs_top_lists_have_each_rows_own_length() -> None:
+    """In one batch each row gets exactly its own number of top logprobs (0 included)."""
+    logits = t([[0.0, 1.0, 2.0, 3.0], [3.0, 2.0, 1.0, 0.0], [1.0, 0.0, 3.0, 2.0]])
+    states = [state(SamplingParams(temperature=0.0, logprobs=n)) for n in (0, 1, 3)]
+    out = Sampler(4)(logits, states)
+    assert out.token_ids == [3, 0, 2]
+    raw = [torch.log_softmax(row, -1).tolist() for row in logits]
+    entries = out.logprobs
+    assert all(e is not None for e in entries)
+    assert [e.logprob for e in entries if e is not None] == [raw[0][3], raw[1][0], raw[2][2]]
+    assert [e.top for e in entries if e is not None] == [
+        [],
+        [(0, raw[1][0])],
+        [(2, raw[2][2]), (3, raw[2][3]), (0, raw[2][0])],
+    ]
+
+
+def test_top_k_larger_than_the_vocabulary_keeps_everything() -> None:
+    """top_k_filter with k above the vocabulary size is the identity (k is clamped)."""
+    p = t([0.1, 0.2, 0.3, 0.4])
+    assert top_k_filter(p, 10).tolist() == pytest.approx(p.tolist())
+    assert top_k_mask(p[None], [10]).tolist() == [[True, True, True, True]]
+
+
+def test_draw_on_a_cdf_boundary_takes_the_next_positive_token() -> None:
+    """A uniform landing exactly on a CDF step selects the token after it, never a zero one."""
+    seed = 12  # its first uniform is 0.7255
+    u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    u32 = float(torch.tensor(float(u), dtype=torch.float32))
+    probs = torch.tensor([[u32, 0.0, 1.0 - u32]], dtype=torch.float32)
+    assert float(probs.cumsum(-1)[0, -1]) == 1.0  # so u * total is exactly cdf[0]
+    assert _draw(probs, [torch.Generator().manual_seed(seed)]).tolist() == [2]
+    # an unnormalised row: the uniform is scaled by the row's total mass
+    heavy = torch.tensor([[2.0, 2.0]])  # 4 * 0.7255 = 2.9 lies in token 1's step [2, 4)
+    assert _draw(heavy, [torch.Generator().manual_seed(seed)]).tolist() == [1]
+
+
+def test_one_row_filters_normalise_their_input_first() -> None:
+    """The 1-D filters treat an unnormalised row as the distribution it is proportional to."""
+    raw = t([1.0, 1.0, 2.0])
+    assert top_p_filter(raw, 0.6).tolist() == pytest.approx([1 / 3, 0.0, 2 / 3])
+    assert top_p_filter(raw, 0.6).tolist() == top_p_filter(raw / 4, 0.6).tolist()
+
+
+def test_mass_one_keeps_every_token() -> None:
+    """top-p / typical-p of exactly 1 keep even tokens past 1 - 1e-6 of cumulative mass."""
+    p = t([0.9999995, 5e-7])
+    assert support(top_p_filter(p, 1.0)) == {0, 1}
+    assert support(typical_filter(p, 1.0)) == {0, 1}

@@ -802,3 +802,550 @@ def test_random_aborts_deadlines_backpressure_and_forks_never_leak(
             assert rec.num_generated == req.sampling_params.max_tokens
         else:
             assert rec.status in (S.CANCELLED, S.TIMED_OUT)
+
+
+# -- pinned by mutation testing (make mutation) --
+
+
+def test_fork_children_inherit_priority_deadline_salt_and_eos() -> None:
+    """Forked children carry the parent's priority, deadline, salt, EOS ids and progress."""
+    h = Harness()
+    eos = frozenset({7})
+    h.clock.t = 1.0
+    h.add("P", 6, max_tokens=3, priority=3, deadline=50.0, cache_salt="t1", eos_token_ids=eos)
+    h.clock.t = 2.0
+    h.step()
+    parent = h.reqs["P"]
+    children = h.sched.fork("P", 2)
+    assert [c.request_id for c in children] == ["P#1", "P#2"]
+    for child in children:
+        h.reqs[child.request_id] = child
+        assert child.prompt_token_ids == [1, 2, 3, 4, 5, 6]
+        assert child.prompt_token_ids is not parent.prompt_token_ids
+        assert child.sampling_params is parent.sampling_params
+        assert (child.arrival_time, child.priority, child.deadline) == (1.0, 3, 50.0)
+        assert (child.cache_salt, child.eos_token_ids) == ("t1", eos)
+        assert child.output_token_ids == [106] and child.output_token_ids is not (
+            parent.output_token_ids
+        )
+        assert (child.num_generated, child.num_computed_tokens) == (1, 6)
+        assert (child.times.queued, child.times.first_scheduled) == (1.0, 2.0)
+        assert child.status is S.DECODING and h.sched.get_request(child.request_id) is child
+    # the children stop on the parent's EOS id and time out at the parent's deadline
+    h.step(lambda r: 7 if r.request_id == "P#1" else position_runner(r))
+    assert h.reqs["P#1"].finish_reason is FinishReason.EOS
+    h.clock.t = 50.0
+    h.run()
+    h.assert_drained()
+    got = {r.request_id: (r.status, r.num_generated) for r in h.sched.records}
+    assert got == {"P#1": (S.FINISHED, 2), "P": (S.TIMED_OUT, 2), "P#2": (S.TIMED_OUT, 2)}
+
+
+def test_fork_before_the_first_token_starts_children_prefilling() -> None:
+    """A child forked before any token is sampled starts PREFILLING, not DECODING."""
+    h = Harness(max_num_batched_tokens=4)
+    h.add("P", 6, max_tokens=2)
+    h.step()  # a partial chunk: 4 of 6 prompt tokens
+    (child,) = h.sched.fork("P", 1)
+    h.reqs[child.request_id] = child
+    assert child.status is S.PREFILLING and child.output_token_ids == []
+    assert (child.num_generated, child.num_computed_tokens) == (0, 4)
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("P") == h.outputs_of("P#1") == expected_tokens(6, 2)
+
+
+def test_fork_of_a_request_that_is_not_running_is_refused() -> None:
+    """fork() raises for a queued parent, and the queued parent is untouched."""
+    h = Harness(max_num_seqs=1)
+    h.add("A", 4, max_tokens=1)
+    h.add("B", 4, max_tokens=1)
+    h.step()
+    with pytest.raises(ValueError, match="fork: parent B is not running"):
+        h.sched.fork("B", 1)
+    h.run()
+    h.assert_drained()
+
+
+def test_recompute_preemption_drops_the_victims_reservation_and_retakes_it() -> None:
+    """A recompute victim loses its reservation and reserves again when re-admitted."""
+    h = Harness(6, prefix_caching=False, admission_output_tokens=0)
+    grow_two(h)
+    for _ in range(6):
+        h.step()
+    assert h.outputs[-1].preempted_ids == ["B"]
+    assert not h.sched.admission.holds("B") and h.sched.admission.holds("A")
+    assert h.kv.stats().reserved_blocks == 3  # only A's
+    for _ in range(3):
+        h.step()
+    out = h.outputs[-1]  # A reclaimed; B re-reserves 14 tokens (13 + 1) and recomputes
+    assert [(c.request_id, c.start_pos, len(c.token_ids)) for c in out.chunks] == [("B", 0, 13)]
+    assert h.sched.admission.holds("B") and h.kv.stats().reserved_blocks == 4
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("B") == expected_tokens(8, 8)
+
+
+def test_no_admission_in_a_step_that_preempted() -> None:
+    """A step that preempts admits nothing new: the queued request waits one step."""
+    h = Harness(7, prefix_caching=False, admission_output_tokens=0, max_num_seqs=2)
+    grow_two(h)
+    h.clock.t = 2.0
+    h.add("C", [31, 32], max_tokens=1)
+    for _ in range(7):
+        h.step()
+    trace = [[(c.request_id, c.start_pos) for c in o.chunks] for o in h.outputs[5:7]]
+    assert h.outputs[5].preempted_ids == ["B"]
+    assert trace == [[("A", 12)], [("A", 13), ("C", 0)]]
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("C") == [102] and h.outputs_of("B") == expected_tokens(8, 8)
+
+
+def test_running_requests_share_one_token_budget() -> None:
+    """Decodes and a running partial prefill together never exceed max_num_batched_tokens."""
+    h = Harness(32, max_num_batched_tokens=8)
+    h.add("A", 4, max_tokens=6)
+    h.add("B", [9, 8, 7, 6], max_tokens=6)
+    h.step()
+    h.add("C", list(range(20, 40)), max_tokens=2)
+    trace = [[(c.request_id, c.start_pos, len(c.token_ids)) for c in h.step().chunks]]
+    trace += [[(c.request_id, c.start_pos, len(c.token_ids)) for c in h.step().chunks]]
+    assert trace == [
+        [("A", 4, 1), ("B", 4, 1), ("C", 0, 6)],
+        [("A", 5, 1), ("B", 5, 1), ("C", 6, 6)],  # C already running: 8 - 1 - 1 = 6
+    ]
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("C") == expected_tokens(20, 2)
+
+
+def test_terminal_record_has_every_field() -> None:
+    """The terminal record carries every count and stamp, committed tokens included."""
+    h = Harness()
+    h.clock.t = 1.0
+    req = Request("M", [1, 2, 3, 4], SamplingParams(max_tokens=3), arrival_time=0.5)
+    req.output_token_ids = [50]  # a migrated request: one token came from elsewhere
+    h.reqs["M"] = req
+    assert h.sched.add_request(req) == AdmissionResult(S.QUEUED)
+    h.clock.t = 2.0
+    h.step()
+    req.times.first_token = 2.5  # stamped by the engine when it emits
+    req.num_emitted = 2  # the engine's detokeniser count
+    h.clock.t = 4.0
+    h.step()
+    h.assert_drained()
+    assert h.record("M") == TerminalRecord(
+        request_id="M",
+        status=S.FINISHED,
+        finish_reason=FinishReason.MAX_TOKENS,
+        num_prompt_tokens=4,
+        num_generated=2,
+        num_committed=3,
+        num_emitted=2,
+        arrival=0.5,
+        first_token=2.5,
+        finished=4.0,
+        error=None,
+        queue_time_s=1.0,
+    )
+    assert req.record is h.record("M") and req.output_token_ids == [50, 105, 106]
+
+
+def test_rejected_record_has_its_reason_and_no_queue_time() -> None:
+    """A rejection is recorded at once: REJECTED, the reason as error, no queue time."""
+    h = Harness(max_model_len=8)
+    h.clock.t = 3.0
+    res = h.add("R", 9, arrival_time=2.0)
+    assert res.status is S.REJECTED
+    assert h.sched.records.total == 1 and h.sched.get_request("R") is None
+    assert h.record("R") == TerminalRecord(
+        request_id="R",
+        status=S.REJECTED,
+        finish_reason=FinishReason.REJECTED,
+        num_prompt_tokens=9,
+        num_generated=0,
+        num_committed=0,
+        num_emitted=0,
+        arrival=2.0,
+        first_token=None,
+        finished=3.0,
+        error="prompt has 9 tokens, more than max_model_len=8",
+        queue_time_s=None,
+    )
+    h.assert_drained()
+
+
+def imported(h: Harness, rid: str, prompt: int, first_token: int, max_tokens: int = 3) -> Request:
+    """A decode-side request whose prompt KV and first token came from a prefill worker."""
+    req = Request(rid, list(range(1, prompt + 1)), SamplingParams(max_tokens=max_tokens))
+    req.output_token_ids = [first_token]
+    h.reqs[rid] = req
+    return req
+
+
+def test_imported_request_waits_for_its_kv_then_decodes() -> None:
+    """add_imported takes blocks and a slot at once; nothing runs until kv_ready()."""
+    h = Harness()
+    h.clock.t = 1.0
+    req = imported(h, "D", 6, 106)
+    assert h.sched.add_imported(req, 6) == AdmissionResult(S.WAITING_FOR_KV)
+    assert req.status is S.WAITING_FOR_KV and req.num_computed_tokens == 6
+    assert (req.times.queued, req.times.first_scheduled) == (1.0, 1.0)
+    assert h.kv.block_table("D") == [0, 1] and h.kv.stats().reserved_blocks == 3
+    assert (h.sched.num_running, h.sched.num_waiting) == (1, 0)
+    probe = Request("probe", [1, 2, 3, 4, 5, 6, 7], SamplingParams())
+    assert h.kv.get_computed_blocks(probe) == ([], 0)  # not cached before it is verified
+    h.clock.t = 2.0
+    assert h.step().chunks == []  # the transfer is still writing the KV
+    h.sched.kv_ready("D")
+    assert req.status is S.DECODING
+    assert h.kv.get_computed_blocks(probe) == ([0], 4)
+    out = h.step()
+    assert [(c.request_id, c.start_pos, c.token_ids) for c in out.chunks] == [("D", 6, [106])]
+    h.run()
+    h.assert_drained()
+    assert req.output_token_ids == [106, 107, 108]
+    rec = h.record("D")
+    assert (rec.status, rec.num_generated, rec.num_committed, rec.queue_time_s) == (
+        S.FINISHED,
+        2,
+        3,
+        0.0,
+    )
+
+
+def test_kv_ready_after_the_request_ended_is_a_no_op() -> None:
+    """kv_ready() for a request cancelled while its KV was in flight changes nothing."""
+    h = Harness()
+    req = imported(h, "D", 6, 106)
+    h.sched.add_imported(req, 6)
+    h.sched.abort("D")
+    h.sched.kv_ready("D")
+    assert req.status is S.CANCELLED
+    h.step()
+    h.sched.kv_ready("D")  # reclaimed: unknown now
+    h.assert_drained()
+    assert h.record("D").status is S.CANCELLED
+
+
+def test_kv_ready_needs_a_waiting_request_with_a_token() -> None:
+    """kv_ready() raises for a request not waiting for KV or with no token after the KV."""
+    h = Harness()
+    req = imported(h, "D", 6, 106)
+    h.sched.add_imported(req, 6)
+    h.sched.kv_ready("D")
+    with pytest.raises(ValueError, match="kv_ready: request D is DECODING with no token"):
+        h.sched.kv_ready("D")
+    no_token = Request("E", [1, 2, 3, 4], SamplingParams(max_tokens=2))
+    h.reqs["E"] = no_token
+    h.sched.add_imported(no_token, 4)
+    with pytest.raises(ValueError, match="kv_ready: request E is WAITING_FOR_KV"):
+        h.sched.kv_ready("E")
+    h.sched.abort("E")
+    h.run()
+    h.assert_drained()
+
+
+def test_add_imported_refuses_bad_arguments() -> None:
+    """A repeated id or a KV length outside (0, num_tokens] raises and admits nothing."""
+    h = Harness()
+    req = imported(h, "D", 6, 106)
+    for bad in (0, 8):
+        with pytest.raises(ValueError, match=f"request D: num_kv_tokens={bad} of 7"):
+            h.sched.add_imported(req, bad)
+    assert h.sched.get_request("D") is None
+    assert h.sched.add_imported(req, 7).status is S.WAITING_FOR_KV  # all of it is allowed
+    with pytest.raises(ValueError, match="request D is already in the scheduler"):
+        h.sched.add_imported(req, 6)
+    h.add("Q", 4)
+    with pytest.raises(ValueError, match="request Q is already in the scheduler"):
+        h.sched.add_request(h.reqs["Q"])
+    h.sched.abort("D")
+    h.run()
+    h.assert_drained()
+
+
+def test_add_imported_rejects_what_cannot_run_here() -> None:
+    """An import is REJECTED, never queued: too long, no batch slot, or no reservation."""
+    h = Harness(4, max_model_len=12, max_num_seqs=2)
+    long = imported(h, "long", 12, 1)
+    assert h.sched.add_imported(long, 12) == AdmissionResult(
+        S.REJECTED, "prompt has 13 tokens, more than max_model_len=12"
+    )
+    big = imported(h, "big", 8, 9, max_tokens=4)
+    assert h.sched.add_imported(big, 8).status is S.WAITING_FOR_KV  # reserves 12: 3 blocks
+    no_room = imported(h, "no_room", 6, 7)
+    res = h.sched.add_imported(no_room, 6)
+    assert res == AdmissionResult(
+        S.REJECTED, "KV reservation of 9 tokens does not fit (4 tokens reservable)"
+    )
+    h.add("small", 2, max_tokens=1)
+    h.sched.kv_ready("big")
+    h.step()  # "small" takes the second slot
+    no_slot = imported(h, "no_slot", 2, 3)
+    assert h.sched.add_imported(no_slot, 2) == AdmissionResult(
+        S.REJECTED, "all 2 batch slots are taken"
+    )
+    errors = {
+        "long": "prompt has 13 tokens, more than max_model_len=12",
+        "no_room": "KV reservation of 9 tokens does not fit (4 tokens reservable)",
+        "no_slot": "all 2 batch slots are taken",
+    }
+    for rid, error in errors.items():
+        rec = h.record(rid)
+        assert (rec.status, rec.finish_reason, rec.error) == (
+            S.REJECTED,
+            FinishReason.REJECTED,
+            error,
+        )
+        assert h.sched.get_request(rid) is None and h.kv.num_held_blocks(rid) == 0
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("big") == [9, 109, 110, 111]
+
+
+def test_prefill_only_request_hands_off_and_leases_its_kv() -> None:
+    """A prefill-only request ends HANDED_OFF after one token, its blocks kept under a lease."""
+    h = Harness()
+    h.add("P", 6, max_tokens=4, prefill_only=True)
+    h.step()
+    p = h.reqs["P"]
+    assert (p.status, p.finish_reason, p.output_token_ids) == (
+        S.FINISHED,
+        FinishReason.HANDED_OFF,
+        [106],
+    )
+    table = h.kv.block_table("P")
+    h.step()  # reclaimed: the blocks stay in use for the transfer
+    assert h.kv.leased_ids == frozenset({"P"}) and h.kv.block_table("P") == table
+    assert h.kv.stats().in_use_blocks == 2 and h.kv.stats().reserved_blocks == 0
+    rec = h.record("P")
+    assert (rec.status, rec.finish_reason, rec.num_generated) == (
+        S.FINISHED,
+        FinishReason.HANDED_OFF,
+        1,
+    )
+    assert not h.sched.has_unfinished
+    assert h.kv.free("P")  # the lease's release
+    h.assert_drained()
+
+
+def test_backpressure_set_before_the_first_token_pauses_at_it() -> None:
+    """A request backpressured while prefilling pauses right after its first token."""
+    h = Harness(max_num_batched_tokens=4)
+    h.add("A", 6, max_tokens=4)
+    h.step()  # 4 of 6 prompt tokens
+    h.sched.set_backpressured("A", True)
+    assert h.reqs["A"].status is S.PREFILLING
+    out = h.step()  # the rest of the prompt: the first token, then the pause
+    assert [(c.request_id, c.start_pos) for c in out.chunks] == [("A", 4)]
+    assert h.reqs["A"].status is S.BACKPRESSURED and h.outputs_of("A") == [106]
+    assert h.step().chunks == []
+    h.sched.set_backpressured("A", False)
+    assert h.reqs["A"].status is S.DECODING
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("A") == expected_tokens(6, 4)
+
+
+def test_victims_of_one_step_are_readmitted_in_arrival_order() -> None:
+    """Two requests preempted in one step come back oldest first (FCFS)."""
+    h = Harness(3, prefix_caching=False, admission_output_tokens=0)
+    for i, rid in enumerate("ABC"):
+        h.clock.t = float(i)
+        h.add(rid, [10 * i + 1, 10 * i + 2, 10 * i + 3], max_tokens=3)
+    h.step()
+    h.step()
+    out = h.step()  # all three need a second block, one is free: C, then B step back
+    assert out.preempted_ids == ["C", "B"] and [c.request_id for c in out.chunks] == ["A"]
+    firsts = [(c.request_id, c.start_pos) for _ in range(2) for c in h.step().chunks]
+    assert firsts == [("B", 0), ("C", 0)]
+    h.run()
+    h.assert_drained()
+    for rid in "ABC":
+        assert h.outputs_of(rid) == expected_tokens(3, 3)
+
+
+def test_equal_victim_keys_preempt_the_later_admitted_request() -> None:
+    """On a tie in priority and arrival, the request admitted last is the victim."""
+    h = Harness(6, prefix_caching=False, admission_output_tokens=0)
+    h.add("A", list(range(1, 9)), max_tokens=8)
+    h.add("B", list(range(11, 19)), max_tokens=8)  # same arrival time as A
+    for _ in range(6):
+        out = h.step()
+    assert out.preempted_ids == ["B"] and [c.request_id for c in out.chunks] == ["A"]
+    assert (h.reqs["A"].num_preemptions, h.reqs["B"].num_preemptions) == (0, 1)
+    h.run()
+    h.assert_drained()
+
+
+def test_num_preemptions_counts_every_preemption() -> None:
+    """A request preempted twice reports num_preemptions == 2 and still completes exactly."""
+    h = Harness(6, prefix_caching=False, admission_output_tokens=0, scheduling_policy="priority")
+    h.add("A", list(range(1, 9)), max_tokens=8, priority=0)
+    h.clock.t = 1.0
+    h.add("B", list(range(11, 19)), max_tokens=12, priority=5)
+    for _ in range(6):
+        h.step()
+    h.clock.t = 2.0
+    h.add("C", list(range(21, 27)), max_tokens=4, priority=0)
+    h.run()
+    h.assert_drained()
+    assert {rid: r.num_preemptions for rid, r in h.reqs.items()} == {"A": 0, "B": 2, "C": 0}
+    assert h.outputs_of("B") == expected_tokens(8, 12)
+    assert h.outputs_of("C") == expected_tokens(6, 4)
+
+
+def test_recompute_mode_drops_kv_even_when_host_blocks_are_free() -> None:
+    """preemption_mode="recompute" never swaps, whatever the host pool holds."""
+    h = Harness(6, num_host_blocks=8, prefix_caching=False, admission_output_tokens=0)
+    grow_two(h)
+    for _ in range(6):
+        out = h.step()
+    assert out.preempted_ids == ["B"] and out.swap_out == []
+    assert h.reqs["B"].status is S.PREEMPTED and h.reqs["B"].num_computed_tokens == 0
+    assert h.kv.stats().host_free_blocks == 8
+    h.run()
+    h.assert_drained()
+    assert not any(o.swap_in or o.swap_out for o in h.outputs)
+
+
+def test_without_chunking_a_chunk_exactly_filling_the_budget_runs() -> None:
+    """Unchunked, a prompt that exactly fills the step's remaining budget is scheduled."""
+    h = Harness(enable_chunked_prefill=False, max_num_batched_tokens=8)
+    h.add("A", 4, max_tokens=3)
+    h.step()
+    h.add("B", [9, 8, 7, 6, 5, 4, 3], max_tokens=1)  # 7 tokens: 8 - A's decode
+    out = h.step()
+    assert [(c.request_id, len(c.token_ids)) for c in out.chunks] == [("A", 1), ("B", 7)]
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("B") == [107]
+
+
+def test_eos_at_exactly_min_tokens_stops() -> None:
+    """EOS as the min_tokens-th token ends the request (min_tokens is reached)."""
+    h = Harness()
+    h.add("A", 4, max_tokens=6, eos_token_ids=frozenset({105}), min_tokens=2)
+    h.add("B", 4, max_tokens=6, stop_token_ids=(105,), min_tokens=2)
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("A") == h.outputs_of("B") == [104, 105]
+    assert h.record("A").finish_reason is FinishReason.EOS
+    assert h.record("B").finish_reason is FinishReason.STOP_TOKEN
+
+
+def test_preempted_request_is_readmitted_before_later_queued_ones() -> None:
+    """Within a priority level a preempted request goes back in before newer queued ones."""
+    h = Harness(7, prefix_caching=False, admission_output_tokens=0, max_num_seqs=2)
+    grow_two(h)
+    h.clock.t = 2.0
+    h.add("C", [31, 32], max_tokens=4)  # holds a reservation, waits for a slot
+    h.clock.t = 3.0
+    h.add("D", [41, 42], max_tokens=1)  # no reservation yet
+    trace = [[(c.request_id, c.start_pos) for c in h.step().chunks] for _ in range(11)]
+    assert trace[5:] == [
+        [("A", 12)],  # B preempted
+        [("A", 13), ("C", 0)],  # B cannot reserve yet; C already holds its reservation
+        [("A", 14), ("C", 2)],
+        [("C", 3), ("B", 0)],  # A gone: B, preempted, goes before the newer D
+        [("B", 13), ("C", 4)],
+        [("B", 14), ("D", 0)],
+    ]
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("D") == [102]
+
+
+def test_a_failed_reservation_blocks_later_reservations() -> None:
+    """A queued request that cannot reserve is not overtaken by a later one that could."""
+    h = Harness(4)
+    h.add("A1", 4, max_tokens=1)
+    h.add("A2", [9, 9, 9, 9], max_tokens=4)
+    h.clock.t = 1.0
+    assert h.add("H", [5, 6, 7, 8], max_tokens=8).status is S.QUEUED  # 3 blocks, none free
+    assert h.add("S", [3], max_tokens=2).status is S.QUEUED  # 1 block, none free
+    firsts: dict[str, int] = {}
+    for step in range(6):
+        for c in h.step().chunks:
+            firsts.setdefault(c.request_id, step)
+    # A1 is gone at step 1 and frees 2 blocks: enough for S, not for H; S waits for H
+    assert firsts == {"A1": 0, "A2": 0, "H": 4, "S": 4}
+    assert [c.request_id for c in h.outputs[4].chunks] == ["H", "S"]
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("S") == [101, 102]
+
+
+def test_a_backpressured_request_keeps_its_batch_slot() -> None:
+    """A paused request still counts against max_num_seqs: nothing is admitted in its place."""
+    h = Harness(max_num_seqs=2)
+    h.add("A", 4, max_tokens=4)
+    h.add("B", 4, max_tokens=4)
+    h.add("C", [7, 7], max_tokens=1)
+    h.step()
+    h.sched.set_backpressured("A", True)
+    trace = [[(c.request_id, c.start_pos) for c in h.step().chunks] for _ in range(4)]
+    assert trace == [[("B", 4)], [("B", 5)], [("B", 6)], [("C", 0)]]
+    assert h.sched.num_running == 2
+    h.sched.set_backpressured("A", False)
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("A") == expected_tokens(4, 4) and h.outputs_of("C") == [102]
+
+
+def test_children_forked_mid_step_get_their_token_when_the_parent_is_aborted() -> None:
+    """Riders of a parent cancelled during the step still take their own sampled tokens."""
+    h = Harness()
+    h.add("P", 6, max_tokens=3)
+    out = h.sched.schedule()
+    children = h.sched.fork("P", 2)
+    for child in children:
+        h.reqs[child.request_id] = child
+    h.sched.abort("P")
+    got = h.sched.update_from_output(out, {"P": 106, "P#1": 1106, "P#2": 2106})
+    assert [r.request_id for r in got] == ["P#1", "P#2"]
+    assert [c.output_token_ids for c in children] == [[1106], [2106]]
+    assert h.reqs["P"].output_token_ids == []
+    h.run(sample_index_runner)
+    h.assert_drained()
+    assert h.outputs_of("P#1") == [1106, 1107, 1108]
+    assert h.record("P").status is S.CANCELLED
+
+
+def test_import_of_a_one_token_prompt_and_no_degraded_imports() -> None:
+    """A 1-token KV import is valid; under the degrade policy imports are rejected, never degraded."""
+    h = Harness(4, admission_policy="degrade")
+    one = imported(h, "one", 1, 101, max_tokens=2)
+    assert h.sched.add_imported(one, 1).status is S.WAITING_FOR_KV
+    h.add("A", 4, max_tokens=4)  # reserves 2 blocks: 4 tokens stay reservable
+    big = imported(h, "big", 2, 5, max_tokens=6)  # wants 8 tokens: only a degraded fit
+    res = h.sched.add_imported(big, 2)
+    assert res == AdmissionResult(
+        S.REJECTED, "KV reservation of 8 tokens does not fit (4 tokens reservable)"
+    )
+    assert h.reqs["big"].status is S.REJECTED
+    h.sched.kv_ready("one")
+    h.run()
+    h.assert_drained()
+    assert h.outputs_of("one") == [101, 102]
+
+
+def test_a_reclaimed_request_id_leaves_no_state_behind() -> None:
+    """After reclaim, a new request reusing the id reserves afresh and is not backpressured."""
+    h = Harness(max_num_batched_tokens=4)
+    h.add("A", 6, max_tokens=4)
+    h.step()
+    h.sched.set_backpressured("A", True)
+    h.sched.abort("A")
+    h.step()
+    assert h.sched.get_request("A") is None and not h.sched.admission.holds("A")
+    first = h.record("A")
+    h.reqs["A"] = Request("A", [1, 2, 3, 4], SamplingParams(max_tokens=2))
+    h.sched.add_request(h.reqs["A"])
+    assert h.kv.stats().reserved_blocks == 2
+    h.run()
+    assert h.reqs["A"].status is S.FINISHED and h.outputs_of("A") == expected_tokens(4, 2)
+    assert first.status is S.CANCELLED
+    h.kv.check_idle()

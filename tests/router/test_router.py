@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contracts.roles import Role
-from contracts.routing import Mode, NoReplicaAvailable, RouteRequest, WorkerState
+from contracts.routing import Mode, NoReplicaAvailable, RouteRequest, Score, WorkerState
 from engine.kv_cache_manager import prefix_hashes
 from engine.kv_events import KVEvent, KVEventKind
 from router.config import RouterConfig, RouterWeights
@@ -403,3 +403,233 @@ def test_bad_weights_and_requests_name_field_and_value() -> None:
         RouterWeights(kv_usage=-1.0)
     with pytest.raises(ValueError, match="num_prompt_tokens=0"):
         RouteRequest("r", [], 0)
+
+
+# -- pinned by mutation testing (make mutation) ---------------------------------------------------
+
+
+def test_removed_by_one_worker_keeps_the_hash_for_the_others() -> None:
+    """A REMOVED event from one worker leaves the hash held by every other worker."""
+    index = PrefixIndex()
+    chain = prefix_hashes(list(range(64)), BS, "", "m")
+    for name in ("w0", "w1", "w2"):
+        index.apply(name, [KVEvent(KVEventKind.STORED, tuple(chain))])
+    index.apply("w1", [KVEvent(KVEventKind.REMOVED, (chain[1],))])
+    assert index.match_all(chain) == {"w0": 4, "w1": 1, "w2": 4}
+    assert (index.num_entries, index.num_hashes) == (11, 4)
+    index.apply("w0", [KVEvent(KVEventKind.REMOVED, (chain[1],))])
+    assert index.match_all(chain) == {"w0": 1, "w1": 1, "w2": 4}
+    assert (index.num_entries, index.num_hashes) == (10, 4)
+    index.apply("w2", [KVEvent(KVEventKind.REMOVED, (chain[1],))])  # the last holder
+    assert index.match_all(chain) == {"w0": 1, "w1": 1, "w2": 1}
+    assert (index.num_entries, index.num_hashes) == (9, 3)
+    index.apply("w2", [KVEvent(KVEventKind.REMOVED, (chain[1],))])  # not held: a no-op
+    assert (index.num_entries, index.num_hashes) == (9, 3)
+
+
+def test_removing_a_workers_last_hash_forgets_the_worker() -> None:
+    """A worker whose every hash was REMOVED holds nothing; drop_worker is then a no-op."""
+    index = PrefixIndex()
+    index.apply("w0", [KVEvent(KVEventKind.STORED, (5, 6))])
+    index.apply("w1", [KVEvent(KVEventKind.STORED, (5,))])
+    index.apply("w0", [KVEvent(KVEventKind.REMOVED, (5, 6))])
+    assert index.match("w0", [5]) == 0 and index.match_all([5, 6]) == {"w1": 1}
+    index.drop_worker("w0")
+    assert (index.num_entries, index.num_hashes) == (1, 1)
+    index.apply("w0", [KVEvent(KVEventKind.STORED, ())])  # an empty report stores nothing
+    assert index.match_all([5]) == {"w1": 1} and index.num_entries == 1
+
+
+def test_drop_worker_keeps_hashes_other_workers_hold() -> None:
+    """drop_worker (death, CLEARED) forgets one worker only, even for shared hashes."""
+    index = PrefixIndex()
+    index.apply("w0", [KVEvent(KVEventKind.STORED, (1, 2, 3))])
+    index.apply("w1", [KVEvent(KVEventKind.STORED, (1, 2))])
+    index.apply("w2", [KVEvent(KVEventKind.STORED, (1,))])
+    index.apply("w1", [KVEvent(KVEventKind.CLEARED)])
+    assert index.match_all([1, 2, 3]) == {"w0": 3, "w2": 1}
+    assert (index.num_entries, index.num_hashes) == (4, 3)
+    index.drop_worker("w0")
+    assert index.match_all([1, 2, 3]) == {"w2": 1}
+    assert (index.num_entries, index.num_hashes) == (1, 1)
+
+
+def test_decode_scores_have_every_term() -> None:
+    """A decode candidate's load is queued + running; it carries no cache terms."""
+    workers = [
+        worker("prefill-0", "a"),
+        worker("decode-0", "a", load=1, num_running=3, kv_usage=0.5),
+        worker("decode-1", "b", load=2, num_running=1, kv_usage=0.25),
+    ]
+    weights = RouterConfig(
+        weights=RouterWeights(queue_depth=2.0, kv_usage=4.0, domain_spread=0.5),
+        local_prefill_max_tokens=0,
+    )
+    decision = choose(request(PROMPT), workers, PrefixIndex(), weights)
+    assert [s for s in decision.scores if s.role is Role.DECODE] == [
+        Score("decode-0", Role.DECODE, "a", 4, 0, 0, False, 0, 8.0, 0.0, 2.0, 0.5, 10.5),
+        Score("decode-1", Role.DECODE, "b", 3, 0, 0, False, 0, 6.0, 0.0, 1.0, 0.0, 7.0),
+    ]
+    assert decision.mode is Mode.DISAGGREGATED and decision.decode == "decode-1"
+
+
+def test_prompt_scores_have_every_term() -> None:
+    """A prefill candidate's load, cache credit, uncached tokens and cost terms are exact."""
+    weights = RouterConfig(
+        weights=RouterWeights(uncached_prefill_tokens=0.125), local_prefill_max_tokens=0
+    )
+    index = PrefixIndex()
+    store(index, "prefill-1", PROMPT[:64])  # 4 blocks
+    workers = [
+        worker("prefill-0", "a", load=1, num_running=2, kv_usage=0.5),
+        worker("prefill-1", "b", load=0, num_running=1, kv_usage=0.25),
+        worker("decode-0", "a"),
+    ]
+    decision = choose(request(PROMPT), workers, index, weights)
+    assert [s for s in decision.scores if s.role is Role.PREFILL] == [
+        Score("prefill-0", Role.PREFILL, "a", 3, 0, 0, False, 161, 3.0, 20.125, 2.0, 0.0, 25.125),
+        Score("prefill-1", Role.PREFILL, "b", 1, 4, 4, False, 97, 1.0, 12.125, 1.0, 0.0, 14.125),
+    ]
+    assert (decision.request_id, decision.prefill, decision.hit_blocks) == ("r", "prefill-1", 4)
+    assert decision.uncached_tokens == 97
+
+
+def test_herding_guard_counts_from_the_least_loaded_and_one_hit_block() -> None:
+    """The guard compares load with the pool's least loaded; one hit block can be herded."""
+    weights = RouterConfig(herding_guard=2, local_prefill_max_tokens=0)
+    index = PrefixIndex()
+    store(index, "prefill-0", PROMPT[:16])  # exactly one block
+    floor = worker("prefill-1", load=3)
+
+    def herded(load: int) -> dict[str, tuple[bool, int, int]]:
+        workers = [worker("prefill-0", load=load), floor, worker("prefill-2", load=9)]
+        decision = choose(request(PROMPT), [*workers, worker("decode-0")], index, weights)
+        return {
+            s.name: (s.herded, s.credited_blocks, s.uncached_tokens)
+            for s in decision.scores
+            if s.role is Role.PREFILL
+        }
+
+    # prefill-2 holds nothing: never herded, whatever its load
+    assert herded(5) == {
+        "prefill-0": (False, 1, 145),  # 5 - 3 = 2: at the guard, credit holds
+        "prefill-1": (False, 0, 161),
+        "prefill-2": (False, 0, 161),
+    }
+    assert herded(6)["prefill-0"] == (True, 0, 161)
+
+
+def test_local_prefill_of_a_fully_cached_prompt_computes_one_token() -> None:
+    """A cached k-block + 1 prompt leaves one token: within a 1-token local threshold."""
+    index = PrefixIndex()
+    store(index, "decode-1", PROMPT)  # 161 tokens = 10 blocks + 1
+    workers = [worker("prefill-0"), worker("decode-0"), worker("decode-1")]
+    decision = choose(request(PROMPT), workers, index, RouterConfig(local_prefill_max_tokens=1))
+    assert (decision.mode, decision.prefill, decision.decode) == (
+        Mode.LOCAL_PREFILL,
+        None,
+        "decode-1",
+    )
+    assert (decision.request_id, decision.hit_blocks, decision.uncached_tokens) == ("r", 10, 1)
+
+
+def test_colocated_workers_are_ignored_beside_prefill_and_decode_pools() -> None:
+    """Colocated mode needs a topology of only colocated workers; else they are not chosen."""
+    index = PrefixIndex()
+    store(index, "colocated-0", PROMPT)
+    mixed = [worker("colocated-0"), worker("prefill-0"), worker("decode-0")]
+    decision = choose(request(PROMPT), mixed, index, NO_LOCAL)
+    assert (decision.mode, decision.prefill, decision.decode) == (
+        Mode.DISAGGREGATED,
+        "prefill-0",
+        "decode-0",
+    )
+    no_prefill = [worker("colocated-0"), worker("decode-0")]
+    with pytest.raises(NoReplicaAvailable, match="^no prefill replica"):
+        choose(request(PROMPT), no_prefill, index, NO_LOCAL)
+
+
+def test_colocated_pool_unavailable_names_the_pool() -> None:
+    """With every colocated worker down, the error names the colocated pool."""
+    with pytest.raises(NoReplicaAvailable) as info:
+        choose(request(PROMPT), [worker("colocated-0", healthy=False)], PrefixIndex(), NO_LOCAL)
+    assert (info.value.pool, info.value.reasons) == ("colocated", {"colocated-0": "unhealthy"})
+    decision = choose(request(PROMPT, rid="c1"), [worker("colocated-1")], PrefixIndex(), NO_LOCAL)
+    assert (decision.request_id, decision.mode, decision.decode) == (
+        "c1",
+        Mode.COLOCATED,
+        "colocated-1",
+    )
+
+
+def test_log_line_names_every_key() -> None:
+    """The decision log line has a fixed key set, with each candidate's role as a string."""
+    workers = [worker("prefill-0"), worker("decode-0")]
+    line = choose(request(PROMPT), workers, PrefixIndex(), NO_LOCAL).log_line()
+    assert line == {
+        "request_id": "r",
+        "mode": "disaggregated",
+        "prefill": "prefill-0",
+        "decode": "decode-0",
+        "hit_blocks": 0,
+        "uncached_tokens": 161,
+        "candidates": [
+            {
+                "name": "prefill-0",
+                "role": "prefill",
+                "domain": "a",
+                "load": 0,
+                "hit_blocks": 0,
+                "credited_blocks": 0,
+                "herded": False,
+                "uncached_tokens": 161,
+                "queue": 0.0,
+                "uncached": pytest.approx(1.61),
+                "kv": 0.0,
+                "spread": 0.0,
+                "total": pytest.approx(1.61),
+            },
+            {
+                "name": "decode-0",
+                "role": "decode",
+                "domain": "a",
+                "load": 0,
+                "hit_blocks": 0,
+                "credited_blocks": 0,
+                "herded": False,
+                "uncached_tokens": 0,
+                "queue": 0.0,
+                "uncached": 0.0,
+                "kv": 0.0,
+                "spread": 0.5,
+                "total": 0.5,
+            },
+        ],
+        "skipped": {},
+    }
+
+
+def test_skipped_workers_carry_their_reason() -> None:
+    """Each ineligible worker is reported with why: unhealthy, excluded, or its domain."""
+    workers = [
+        worker("prefill-0", "a"),
+        worker("prefill-1", "a"),
+        worker("prefill-2", "b", healthy=False),
+        worker("prefill-3", "c"),
+        worker("decode-0", "a"),
+    ]
+    req = request(PROMPT, exclude_workers=frozenset({"prefill-0"}), exclude_domains=frozenset("c"))
+    decision = choose(req, workers, PrefixIndex(), NO_LOCAL)
+    assert decision.prefill == "prefill-1"
+    assert decision.skipped == {
+        "prefill-0": "excluded",
+        "prefill-2": "unhealthy",
+        "prefill-3": "in excluded domain c",
+    }
+
+
+def test_worker_state_accepts_its_boundary_values() -> None:
+    """block_size 1 and a completely full KV cache (kv_usage 1.0) are valid reports."""
+    state = WorkerState("decode-0", Role.DECODE, "a", kv_usage=1.0, block_size=1)
+    assert (state.kv_usage, state.block_size) == (1.0, 1)
+    WorkerState("decode-1", Role.DECODE, "a", kv_usage=0.0, queue_depth=0, num_running=0)
