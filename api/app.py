@@ -5,9 +5,17 @@ check the context limit, run each choice through the cluster's coordinator, answ
 
     body ──> IngressGate.admit (413 / 401 / 429: nothing tokenised yet, phase 1)
          ──> protocol.parse_* (400 naming the field) ──> tokenise ──> context limit (400)
-         ──> one Coordinator.generate per choice (phase 2: the engine's admission and KV
-             reservation; a rejection there is a retry elsewhere, then a typed error)
-         ──> JSON, or SSE chunks through a bounded per-request queue
+         ──> one Coordinator.generate per choice (phase 2: the router's admission queue
+             secures each attempt's prefill slot and decode slot + KV, or refuses it:
+             429 / 503 + Retry-After, 504 when its deadline passes while it waits)
+         ──> the first token ──> 200 and JSON, or SSE chunks through a bounded queue
+
+The response's status goes out with the first token, not before: every failure before it
+(refused, timed out while queued, no replica) is an HTTP status a client's retry logic reads,
+never an error event inside a 200. A client that hangs up while its request waits takes it
+out of the queue. After the first token a stream can still end early by a fault migration
+could not recover or its deadline: an error event, counted in
+``tandem_stream_errors_total{cause}`` and logged.
 
 Backpressure: when the SSE generator is not pulled, the choices' tasks block on the bounded
 queue, stop pulling the coordinator, the worker's Ray stream stops after a few batches
@@ -29,9 +37,9 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -45,6 +53,7 @@ from cluster.coordinator import ClientRecord, Coordinator
 from cluster.retry import GiveUp, RetriesExhausted
 from contracts.actors import RouterClient, WorkerClient
 from contracts.messages import RequestSpec
+from contracts.routing import AdmissionRefused, Refusal
 from engine.request import FinishReason, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -55,6 +64,7 @@ logger = logging.getLogger("tandem.api")
 STREAM_BUFFER = 8
 # A client may ask for a shorter timeout than the topology's deadline (seconds, a float).
 TIMEOUT_HEADER = "X-Request-Timeout"
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -81,8 +91,9 @@ class _Job:
     include_usage: bool
     logprobs: bool
     tenant: str
-    deadline: float
+    deadline: float | None
     arrival: float
+    priority: int
 
 
 class Service:
@@ -98,7 +109,7 @@ class Service:
         vocab_size: int,
         gate: IngressGate,
         metrics: Metrics,
-        request_timeout_s: float,
+        request_timeout_s: float | None,
         decode_workers: dict[str, WorkerClient] | None = None,
     ) -> None:
         self.coordinator = coordinator
@@ -171,19 +182,33 @@ class Service:
             err = APIError(exc.status, exc.message, code=str(exc.code))
             return JSONResponse(err.body(), status_code=exc.status, headers=exc.headers())
         try:
-            timeout_s = self._timeout(request.headers.get(TIMEOUT_HEADER))
-            job = self._parse(body, kind, ticket.tenant, arrival, timeout_s)
+            job = self._parse(body, kind, ticket.tenant, arrival, request.headers)
         except APIError as exc:
             ticket.release()
             cause = "context_length" if exc.code == "context_length_exceeded" else "invalid_request"
             self._rejected(arrival, ticket.tenant, cause)
             return JSONResponse(exc.body(), status_code=exc.status)
+        deltas = self._run(job)
+        try:
+            first = await _unless_client_leaves(request, anext(deltas, None))
+        except APIError as exc:  # before the first token: a real status
+            ticket.release()
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
+        except _ClientLeft:  # nobody to answer; the choices are cancelled (and counted)
+            ticket.release()
+            await deltas.aclose()
+            return Response(status_code=499)
         if job.stream:
             return StreamingResponse(
-                self._stream(job, ticket), media_type="text/event-stream", headers=_SSE_HEADERS
+                self._stream(job, ticket, first, deltas),
+                media_type="text/event-stream",
+                headers=_SSE_HEADERS,
             )
         try:
-            return await self._complete(job)
+            return await _unless_client_leaves(request, self._complete(job, first, deltas))
+        except _ClientLeft:
+            await deltas.aclose()
+            return Response(status_code=499)
         finally:
             ticket.release()
 
@@ -202,25 +227,38 @@ class Service:
         )
         self.metrics.observe_request(timing)
 
-    def _timeout(self, header: str | None) -> float:
-        """The request's timeout: the topology's deadline, or less if the client asks."""
-        if header is None:
-            return self.request_timeout_s
-        try:
-            value = float(header)
-        except ValueError:
-            value = math.nan
-        if not 0 < value <= self.request_timeout_s:
-            raise APIError(
-                400,
-                f"{TIMEOUT_HEADER}: {header!r} is not a number of seconds in "
-                f"(0, {self.request_timeout_s:g}]",
-                param=TIMEOUT_HEADER,
-                code="invalid_timeout",
-            )
-        return value
+    def _timeout(self, header: str | None, field: float | None) -> float | None:
+        """The request's timeout in seconds (None: no deadline): the topology's default
+        (``retry.deadline_s``; none unless set), which the ``X-Request-Timeout`` header or
+        the body's ``timeout`` may shorten, never lengthen (the shorter of the two wins)."""
+        limit = self.request_timeout_s
+        asked: list[float] = [] if field is None else [field]
+        if header is not None:
+            try:
+                value = float(header)
+            except ValueError:
+                value = math.nan
+            if not 0 < value < math.inf:
+                raise APIError(
+                    400,
+                    f"{TIMEOUT_HEADER}: {header!r} is not a positive number of seconds",
+                    param=TIMEOUT_HEADER,
+                    code="invalid_timeout",
+                )
+            asked.append(value)
+        for value, param in zip(asked, ["timeout", TIMEOUT_HEADER], strict=False):
+            if limit is not None and value > limit:
+                raise APIError(
+                    400,
+                    f"{param}: {value:g} s is longer than this server's limit of {limit:g} s",
+                    param=param,
+                    code="invalid_timeout",
+                )
+        return min(asked) if asked else limit
 
-    def _parse(self, body: bytes, kind: str, tenant: str, arrival: float, timeout_s: float) -> _Job:
+    def _parse(
+        self, body: bytes, kind: str, tenant: str, arrival: float, headers: Mapping[str, str]
+    ) -> _Job:
         if kind == "chat":
             req: Any = protocol.parse_chat(body)
             protocol.check_model(req.model, [self.model_name])
@@ -229,6 +267,7 @@ class Service:
             req = protocol.parse_completion(body)
             protocol.check_model(req.model, [self.model_name])
             prompts = protocol.completion_prompts(req, self.tokenizer)
+        timeout_s = self._timeout(headers.get(TIMEOUT_HEADER), req.timeout)
         longest = max(len(p) for p in prompts)
         default_max = max(self.max_model_len - longest, 1)
         base = protocol.sampling_params(
@@ -259,17 +298,25 @@ class Service:
             include_usage=req.include_usage,
             logprobs=base.logprobs is not None,
             tenant=tenant,
-            deadline=arrival + timeout_s,
+            deadline=None if timeout_s is None else arrival + timeout_s,
             arrival=arrival,
+            priority=req.priority,
         )
 
-    async def _complete(self, job: _Job) -> Response:
+    async def _complete(
+        self,
+        job: _Job,
+        first: tuple[int, ClientDelta] | None,
+        deltas: AsyncIterator[tuple[int, ClientDelta]],
+    ) -> Response:
         choices = [_Choice(i) for i in range(len(job.prompts))]
         try:
-            async for index, delta in self._run(job):
-                _absorb(choices[index], delta)
+            if first is not None:
+                _absorb(choices[first[0]], first[1])
+                async for index, delta in deltas:
+                    _absorb(choices[index], delta)
         except APIError as exc:
-            return JSONResponse(exc.body(), status_code=exc.status)
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
         done = [
             protocol.Choice(
                 c.index,
@@ -284,13 +331,20 @@ class Service:
         body = build(job.meta, done, prompt_tokens=job.prompt_tokens, tokenizer=self.tokenizer)
         return JSONResponse(body)
 
-    async def _stream(self, job: _Job, ticket: Ticket) -> AsyncIterator[bytes]:
+    async def _stream(
+        self,
+        job: _Job,
+        ticket: Ticket,
+        first: tuple[int, ClientDelta] | None,
+        deltas: AsyncIterator[tuple[int, ClientDelta]],
+    ) -> AsyncIterator[bytes]:
         choices = [_Choice(i) for i in range(len(job.prompts))]
         try:
             if job.chat:
                 for index in range(len(choices)):
                     yield protocol.sse(protocol.chat_chunk(job.meta, index, role=True))
-            async for index, delta in self._run(job):
+            rest = deltas if first is None else _chain(first, deltas)
+            async for index, delta in rest:
                 choice = choices[index]
                 for chunk in self._chunks(job, choice, delta):
                     yield protocol.sse(chunk)
@@ -309,6 +363,9 @@ class Service:
                     )
                 )
         except APIError as exc:  # headers are sent: the error travels as an SSE event
+            self.metrics.observe_stream_error(exc.code or "internal")
+            sent = sum(len(c.token_ids) for c in choices)
+            logger.warning("%s: stream ended after %d token(s): %s", job.meta.id, sent, exc)
             yield protocol.sse(exc.body())
         finally:
             ticket.release()
@@ -344,7 +401,7 @@ class Service:
             )
         ]
 
-    async def _run(self, job: _Job) -> AsyncIterator[tuple[int, ClientDelta]]:
+    async def _run(self, job: _Job) -> AsyncGenerator[tuple[int, ClientDelta], None]:
         """Run every choice concurrently; yield (choice index, delta) as they come. Raises
         APIError when a choice fails for good; cancelling this generator cancels them all."""
         ready: asyncio.Queue[tuple[int, ClientDelta | BaseException | None]] = asyncio.Queue(
@@ -359,6 +416,7 @@ class Service:
                 cache_salt=job.tenant,
                 deadline=job.deadline,
                 arrival_time=job.arrival,
+                priority=job.priority,
             )
             timing = _Timing(self.metrics, job, index)
             outcome: Exception | None = None  # None: the choice finished
@@ -385,8 +443,8 @@ class Service:
                     running -= 1
                 elif isinstance(item, BaseException):
                     error = _api_error(item)
-                    if error.code == "kv_capacity":
-                        self.metrics.observe_rejection("kv_capacity")
+                    if error.code in REFUSALS:
+                        self.metrics.observe_rejection(error.code)
                     raise error from item
                 elif item.finish_reason is FinishReason.DEADLINE:  # it passed mid-request
                     raise APIError(
@@ -444,10 +502,61 @@ def _absorb(choice: _Choice, delta: ClientDelta) -> None:
 
 
 def _timeout_s(job: _Job) -> float:
+    assert job.deadline is not None, "only a request with a deadline times out"
     return job.deadline - job.arrival
 
 
+# The HTTP status of each refusal by the cluster's admission (all before the first token).
+_REFUSAL_STATUS = {
+    Refusal.QUEUE_FULL: 429,
+    Refusal.WAIT_EXCEEDS_DEADLINE: 503,
+    Refusal.DEADLINE_PASSED: 504,
+}
+REFUSALS = frozenset({"kv_capacity", *(r.value for r in Refusal)})
+
+
+class _ClientLeft(Exception):
+    """The HTTP client disconnected before its response started."""
+
+
+async def _unless_client_leaves(request: Request, awaitable: Awaitable[_T]) -> _T:
+    """``awaitable``'s result, unless the client disconnects first (then _ClientLeft, and
+    ``awaitable`` is cancelled: a queued request leaves the router's queue)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(BaseException):
+                await work
+    if work.cancelled():
+        raise _ClientLeft()
+    return work.result()
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns when the ASGI server says the client went away (the body is read already)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _chain(first: _T, rest: AsyncIterator[_T]) -> AsyncIterator[_T]:
+    yield first
+    async for item in rest:
+        yield item
+
+
 def _api_error(exc: BaseException) -> APIError:
+    if isinstance(exc, AdmissionRefused):
+        return APIError(
+            _REFUSAL_STATUS[exc.reason],
+            f"request refused before it started: {exc.detail}",
+            code=exc.reason.value,
+            retry_after_s=exc.retry_after_s,
+        )
     if isinstance(exc, RetriesExhausted):
         if exc.why is GiveUp.DEADLINE:
             return APIError(504, f"request timed out: {exc}", code="timeout")

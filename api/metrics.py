@@ -29,6 +29,7 @@ from prometheus_client import (
 )
 
 from api.gate import RejectCode
+from contracts.routing import Refusal
 from engine import metrics as latency
 from engine.request import FinishReason, RequestStatus, RequestTimes
 
@@ -42,7 +43,11 @@ REJECTION_CAUSES = (
     "context_length",  # phase 2: prompt + max_tokens beyond the model's context
     "kv_capacity",  # phase 2: the KV reservation can never fit
     "invalid_request",  # bad JSON, unknown model, invalid sampling values
+    *(r.value for r in Refusal),  # phase 2: the cluster's admission queue (before any token)
 )
+# Why a stream ended with an error event after its first token (the APIError codes): a fault
+# that migration could not recover ("failed"), its deadline ("timeout"), anything else.
+STREAM_ERROR_CAUSES = ("failed", "timeout", "kv_capacity", "internal")
 
 # Buckets (seconds unless named). Each spans the fastest case the demo model on a CPU gives to
 # the slowest a client still waits for, denser where SLOs usually sit.
@@ -197,10 +202,18 @@ class Metrics:
             ["worker"],
             registry=r,
         )
+        self.stream_errors = Counter(
+            "tandem_stream_errors_total",
+            "Streams that ended with an error event after their first token, by cause.",
+            ["cause"],
+            registry=r,
+        )
         # Every cause is exported from the start (at 0), so a rate() over it is defined
         # before the first rejection.
         for cause in REJECTION_CAUSES:
             self.rejections.labels(cause=cause)
+        for cause in STREAM_ERROR_CAUSES:
+            self.stream_errors.labels(cause=cause)
 
     def observe_request(self, t: RequestTiming) -> None:
         """Count a terminal request and observe its latencies (those defined for it). A
@@ -225,6 +238,11 @@ class Metrics:
         if cause not in REJECTION_CAUSES:
             raise InvalidMetric(f"rejection cause {cause!r} is not one of {REJECTION_CAUSES}")
         self.rejections.labels(cause=cause).inc()
+
+    def observe_stream_error(self, cause: str) -> None:
+        """A stream cut after its first token; causes outside STREAM_ERROR_CAUSES count as
+        ``internal``."""
+        self.stream_errors.labels(cause=cause if cause in STREAM_ERROR_CAUSES else "internal").inc()
 
     def observe_transfer(self, seconds: float, nbytes: int) -> None:
         if seconds < 0 or nbytes < 0:

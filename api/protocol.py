@@ -77,6 +77,7 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -85,6 +86,13 @@ class APIError(Exception):
         self.type = type or _ERROR_TYPES.get(status, default)
         self.param = param
         self.code = code
+        self.retry_after_s = retry_after_s
+
+    def headers(self) -> dict[str, str]:
+        """``Retry-After`` in whole seconds (RFC 9110), rounded up, when there is one."""
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def body(self) -> dict[str, Any]:
         return {
@@ -166,6 +174,9 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    # serving extras
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # lower first, as vLLM's
+    timeout: float | None = Field(default=None, gt=0)  # seconds; as X-Request-Timeout
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -243,7 +243,7 @@ class Paths:
         coordinator: Coordinator,
         model: str,
         params: SamplingParams,
-        deadline_s: float,
+        deadline_s: float | None,
     ) -> None:
         self.url = url
         self.session = session
@@ -281,7 +281,7 @@ class Paths:
             prompt,
             self.params,
             cache_salt=DIRECT_SALT,
-            deadline=sample.sent + self.deadline_s,
+            deadline=None if self.deadline_s is None else sample.sent + self.deadline_s,
             arrival_time=sample.sent,
         )
         async for delta in self.coordinator.generate(spec):

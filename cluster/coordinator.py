@@ -2,9 +2,16 @@
 
 It lives with the client-facing side (the Serve ingress; the driver in tests). Per request::
 
-    router.choose ──> prefill.prefill(attempt) ── KVSource ──> decode.decode(attempt, source)
-                           │ first token (TTFT)                  │ tokens 2.. (streamed)
-                           └──────────────> client <─────────────┘
+    router.admit ──> prefill.prefill(attempt) ── KVSource ──> decode.decode(attempt, source)
+      (waits for       │ first token (TTFT)                  │ tokens 2.. (streamed)
+       room on both)   └──────────────> client <─────────────┘          ... router.release
+
+Each attempt is admitted by the router before it starts (router/admission.py): it waits there
+until both of its workers have a slot and its KV for it, or is refused (AdmissionRefused,
+raised to the caller before any token: the queue is full, or its deadline would pass first).
+So no attempt is turned away for capacity once it runs, and a client's stream, once started,
+ends only by its own stop conditions, its client, its deadline or a fault migration could not
+recover.
 
 The client's stream is owned here, never by a worker (:class:`ClientStream`): the tokens and
 text it has received and the sampler state after them survive any worker. When an attempt
@@ -34,7 +41,13 @@ from cluster.client_stream import AttemptFailed, ClientDelta, ClientStream
 from cluster.retry import Exclusions, GiveUp, RetriesExhausted, RetryBudget, RetryPolicy
 from contracts.actors import RouterClient, WorkerClient
 from contracts.messages import Attempt, KVPullFailed, KVSource, RequestSpec, TokenBatch, WorkerInfo
-from contracts.routing import Decision, NoReplicaAvailable, RouteRequest
+from contracts.routing import (
+    AdmissionRefused,
+    Decision,
+    NoReplicaAvailable,
+    Refusal,
+    RouteRequest,
+)
 from engine.engine import RequestRejected
 from engine.kv_cache_manager import prefix_hashes
 from engine.request import FinishReason, RecordLog, RequestStatus
@@ -137,6 +150,7 @@ class Coordinator:
         self.budget = RetryBudget(retry)
         self.records: RecordLog[ClientRecord] = RecordLog()  # the latest, bounded
         self._health = _HealthWatch(router)
+        self._releases: set[asyncio.Task[None]] = set()  # grants being given back
 
     # -- the client API ------------------------------------------------------------------------
 
@@ -166,6 +180,11 @@ class Coordinator:
                     timed_out = stream.finish_reason is FinishReason.DEADLINE
                     status = RequestStatus.TIMED_OUT if timed_out else RequestStatus.FINISHED
                     return
+                except AdmissionRefused as exc:  # before any work: the client gets a status
+                    error = str(exc)
+                    timed_out = exc.reason is Refusal.DEADLINE_PASSED
+                    status = RequestStatus.TIMED_OUT if timed_out else RequestStatus.REJECTED
+                    raise
                 except AttemptFailed as exc:
                     logger.warning("%s failed: %s", attempt.attempt_id, exc)
                     # No room: refused here, or no replica left but those that refused it.
@@ -224,8 +243,13 @@ class Coordinator:
             num_prompt_tokens=len(tokens),
             exclude_workers=frozenset(exclusions.workers),
             exclude_domains=frozenset(exclusions.domains),
+            max_tokens=spec.params.max_tokens,
+            num_resumed_tokens=len(attempt.resume_output),
+            priority=spec.priority,
+            tenant=spec.cache_salt,
+            deadline=spec.deadline,
         )
-        decision = await self._choose(route, spec.deadline)
+        decision = await self._admit(route, spec.deadline)
         generators: list[Any] = []
         try:
             if decision.prefill is None:  # colocated, or prefill on the decode worker
@@ -251,14 +275,23 @@ class Coordinator:
         finally:
             for gen in generators:
                 ray.cancel(gen)  # a worker still streaming this attempt stops and frees KV
+            self._release(attempt.attempt_id)
 
-    async def _choose(self, route: RouteRequest, deadline: float | None) -> Decision:
-        """The router's decision; while the router actor restarts (Ray brings it back, and the
-        workers' resyncs rebuild its view) wait for it, up to the deadline."""
+    async def _admit(self, route: RouteRequest, deadline: float | None) -> Decision:
+        """The router's decision, once the attempt's workers have room for it (it waits in the
+        router's admission queue meanwhile; leaving, e.g. cancelled, takes it out). While the
+        router actor restarts (Ray brings it back, and the workers' resyncs rebuild its view)
+        wait for it, up to the deadline."""
         give_up = min(deadline or math.inf, time.time() + ROUTER_RESTART_WAIT_S)
         while True:
+            ref = self.router.admit(route)
             try:
-                return await self.router.choose(route)
+                return await ref
+            except asyncio.CancelledError:
+                ray.cancel(ref)  # out of the queue (or its grant given back)
+                raise
+            except AdmissionRefused as exc:
+                raise getattr(exc, "cause", exc) from None  # the router's, not Ray's wrapper
             except NoReplicaAvailable as exc:
                 why = getattr(exc, "cause", exc)  # the router's message, not Ray's traceback
                 raise AttemptFailed(f"no replica: {why}", no_replica=True) from exc
@@ -266,6 +299,18 @@ class Coordinator:
                 if time.time() >= give_up:
                     raise AttemptFailed(f"router unavailable: {exc}") from exc
                 await asyncio.sleep(0.1)
+
+    def _release(self, attempt_id: str) -> None:
+        """Give the attempt's grant back to the router (without waiting for it)."""
+        task = asyncio.ensure_future(self._await_release(attempt_id))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _await_release(self, attempt_id: str) -> None:
+        try:
+            await self.router.release(attempt_id)
+        except Exception:  # a restarting router has no grant to release: its ledger is new
+            logger.debug("release of %s: router unavailable", attempt_id, exc_info=True)
 
     async def _next(self, gen: Any, worker: str) -> Any:
         try:

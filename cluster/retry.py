@@ -29,8 +29,12 @@ class RetryPolicy(BaseModel):
     budget_burst: float = Field(
         10.0, ge=0, description="most retry tokens the bucket holds (a burst of failures)"
     )
-    deadline_s: float = Field(
-        60.0, gt=0, description="default deadline of a request, seconds, over all attempts"
+    deadline_s: float | None = Field(
+        None,
+        gt=0,
+        description="default deadline of a request, seconds, over all attempts (queueing "
+        "included); None: none, as vLLM and OpenAI (a client sets one with X-Request-Timeout "
+        "or the body's timeout)",
     )
     backoff_s: float = Field(
         0.05, ge=0, description="wait before a retry, seconds (lets a failure be noticed)"

@@ -116,6 +116,9 @@ class EngineWorker:
             incarnation=self.incarnation,
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.vocab_size,
+            max_num_seqs=self.engine.config.max_num_seqs,
+            num_kv_blocks=self.engine.num_kv_blocks,
+            admission_output_tokens=self.engine.config.admission_output_tokens,
         )
 
     async def set_faults(self, plan: FaultPlan) -> None:
@@ -141,6 +144,8 @@ class EngineWorker:
             num_running=engine.num_running,
             kv_usage=stats.in_use_blocks / stats.total_blocks,
             prefix_hit_ratio=stats.prefix_hit_ratio,
+            claimed_blocks=engine.claimed_blocks,
+            admitted=tuple(engine.admitted),
         )
         return load, engine.kv_events
 

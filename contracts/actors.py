@@ -1,7 +1,7 @@
 """The actors' typed interfaces: what each actor serves (a Protocol its class implements) and a
 typed client over its Ray handle, so no caller names a method by string.
 
-    coordinator ──RouterClient.choose──> router        workers ──RouterClient.report──> router
+    coordinator ──RouterClient.admit / release──> router     workers ──RouterClient.report──> router
     coordinator ──WorkerClient.prefill / decode / handoff / generate──> worker actors
     router ──WorkerClient.ready──> worker (health check)
 
@@ -73,7 +73,9 @@ class RouterAPI(Protocol):
     async def report(self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent]) -> bool: ...
     async def worker_failed(self, name: str) -> None: ...
     async def watch_health(self, version: int, timeout_s: float) -> tuple[int, dict[str, bool]]: ...
-    async def choose(self, request: RouteRequest) -> Decision: ...
+    async def admit(self, request: RouteRequest) -> Decision: ...
+    async def release(self, attempt_id: str) -> None: ...
+    async def queue_stats(self) -> tuple[int, int]: ...
     async def decisions(self) -> list[dict[str, Any]]: ...
     async def worker_states(self) -> list[WorkerState]: ...
 
@@ -150,8 +152,14 @@ class RouterClient:
     ) -> ObjectRef[tuple[int, dict[str, bool]]]:
         return self.handle.watch_health.remote(version, timeout_s)
 
-    def choose(self, request: RouteRequest) -> ObjectRef[Decision]:
-        return self.handle.choose.remote(request)
+    def admit(self, request: RouteRequest) -> ObjectRef[Decision]:
+        return self.handle.admit.remote(request)
+
+    def release(self, attempt_id: str) -> ObjectRef[None]:
+        return self.handle.release.remote(attempt_id)
+
+    def queue_stats(self) -> ObjectRef[tuple[int, int]]:
+        return self.handle.queue_stats.remote()
 
     def decisions(self) -> ObjectRef[list[dict[str, Any]]]:
         return self.handle.decisions.remote()

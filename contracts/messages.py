@@ -26,6 +26,7 @@ class RequestSpec:
     cache_salt: str = ""  # the tenant: prefix-cache hits only within one salt (P10)
     deadline: float | None = None  # absolute time.time() covering every attempt
     arrival_time: float = 0.0
+    priority: int = 0  # in the cluster's admission queue: lower goes first (as vLLM's)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,10 @@ class WorkerInfo:
     incarnation: str  # changes on every (re)start: a router drops state of an old one
     max_model_len: int = 0  # prompt + output tokens this worker's engine takes
     vocab_size: int = 0
+    # The engine's admission limits, which the router's ledger keeps within (router/admission)
+    max_num_seqs: int = 1  # batch slots
+    num_kv_blocks: int = 0  # blocks in the KV pool
+    admission_output_tokens: int | None = None  # predicted output reserved; None: max_tokens
 
 
 @dataclass(frozen=True)
@@ -97,6 +102,10 @@ class WorkerLoad:
     num_running: int
     kv_usage: float  # in-use blocks / total, in [0, 1]
     prefix_hit_ratio: float = 0.0  # prompt tokens found in the prefix cache / looked up
+    claimed_blocks: int = 0  # KV blocks reserved or held by its requests (leases included)
+    # Attempt ids its engine admitted since the last report: the router's ledger stops
+    # counting them as promised-but-unseen (they are in queue_depth/num_running/claimed now).
+    admitted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,32 @@ class Mode(StrEnum):
     COLOCATED = "colocated"
 
 
+class Refusal(StrEnum):
+    """Why the cluster's admission refused a request before any work (docs/design.md#admission):
+    each is an HTTP status with ``Retry-After`` at the edge, never a truncated stream."""
+
+    QUEUE_FULL = "queue_full"  # the admission queue holds its bound already (429)
+    WAIT_EXCEEDS_DEADLINE = "queue_wait_exceeds_deadline"  # predicted wait > time left (503)
+    DEADLINE_PASSED = "deadline_passed_in_queue"  # it waited until its deadline (504)
+
+
+class AdmissionRefused(RuntimeError):
+    """The router's admission queue refused ``request_id`` (``reason``); ``retry_after_s`` is
+    when trying again has a chance (None: do not)."""
+
+    def __init__(
+        self, request_id: str, reason: Refusal, detail: str, retry_after_s: float | None
+    ) -> None:
+        super().__init__(f"request {request_id!r} refused ({reason.value}): {detail}")
+        self.request_id = request_id
+        self.reason = reason
+        self.detail = detail
+        self.retry_after_s = retry_after_s
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray actor boundaries
+        return (type(self), (self.request_id, self.reason, self.detail, self.retry_after_s))
+
+
 class NoReplicaAvailable(RuntimeError):
     """No replica of ``pool`` may serve the request; ``reasons`` says why for each worker of
     the pool (empty when the pool has no workers at all)."""
@@ -49,6 +75,28 @@ class WorkerState:
     kv_usage: float = 0.0  # in-use KV blocks / total, in [0, 1]
     prefix_hit_ratio: float = 0.0  # reported, for metrics (the cost uses the exact index)
     block_size: int = 16  # tokens per KV block (EngineConfig's default)
+    # Admission (router/admission.py): the engine's limits, the KV blocks its requests claim
+    # as last reported, and what the router granted that the worker has not reported yet.
+    max_num_seqs: int = 1_000_000  # unlimited until the worker tells
+    num_kv_blocks: int = 1_000_000_000
+    max_model_len: int = 1_000_000_000
+    admission_output_tokens: int | None = None
+    claimed_blocks: int = 0
+    promised_seqs: int = 0
+    promised_blocks: int = 0
+
+    @property
+    def load(self) -> int:
+        """Requests ahead of a new one here: queued, running, and granted but not yet seen."""
+        return self.queue_depth + self.num_running + self.promised_seqs
+
+    @property
+    def free_seqs(self) -> int:
+        return self.max_num_seqs - self.load
+
+    @property
+    def free_blocks(self) -> int:
+        return self.num_kv_blocks - self.claimed_blocks - self.promised_blocks
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -69,9 +117,16 @@ class RouteRequest:
 
     request_id: str
     prompt_hashes: Sequence[int]  # engine.kv_cache_manager.prefix_hashes of the prompt
-    num_prompt_tokens: int
+    num_prompt_tokens: int  # tokens whose KV is computed: the prompt + num_resumed_tokens
     exclude_workers: frozenset[str] = frozenset()
     exclude_domains: frozenset[str] = frozenset()
+    # Admission (router/admission.py): what the KV reservation, the queue order and the
+    # refusals need to know.
+    max_tokens: int = 1  # the request's output limit (resumed tokens included)
+    num_resumed_tokens: int = 0  # output the client already has: a started stream
+    priority: int = 0  # lower is served first (as vLLM's)
+    tenant: str = ""
+    deadline: float | None = None  # absolute time.time()
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:
@@ -79,6 +134,16 @@ class RouteRequest:
                 f"request {self.request_id!r}: num_prompt_tokens={self.num_prompt_tokens}: "
                 "must be >= 1"
             )
+        if not 0 <= self.num_resumed_tokens < self.num_prompt_tokens:
+            raise ValueError(
+                f"request {self.request_id!r}: num_resumed_tokens={self.num_resumed_tokens} of "
+                f"num_prompt_tokens={self.num_prompt_tokens}"
+            )
+
+    @property
+    def started(self) -> bool:
+        """Its client has tokens already (a migration): never refused, first in the queue."""
+        return self.num_resumed_tokens > 0
 
 
 class Score(NamedTuple):

@@ -16,6 +16,30 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 
 
+class RequestRejected(RuntimeError):
+    """Phase-2 admission refused the request (the message says which limit)."""
+
+
+class NoRoom(RequestRejected):
+    """An imported request found no batch slot, reservation or blocks free *now*; nothing was
+    admitted, so it may be offered again once a request ends (it is not a hard limit)."""
+
+
+def reservation_tokens(
+    num_prompt_tokens: int,
+    num_tokens: int,
+    predicted_output: int,
+    max_model_len: int,
+    pool_tokens: int,
+) -> int:
+    """The KV a request reserves at admission (docs/design.md#admission-phase-2): its prompt
+    plus the output it is predicted to make, at least one token more than it has now, within
+    the context limit and the pool. One formula for an engine's admission and for the router's
+    ledger of what each worker has promised (router/admission.py), so the two always agree."""
+    wanted = max(num_prompt_tokens + predicted_output, num_tokens + 1)
+    return min(wanted, max_model_len, pool_tokens)
+
+
 @dataclass(frozen=True)
 class AdmissionResult:
     """Phase-2 admission outcome: QUEUED, DEGRADED, WAITING_FOR_KV (an imported request) or
@@ -53,12 +77,21 @@ class Admission:
         return None
 
     def target_tokens(self, req: Request) -> int:
-        """Tokens to reserve: prompt + predicted output, at least one more token than now."""
+        """Tokens to reserve (:func:`reservation_tokens`). A prefill-only request makes one
+        token here; any other is predicted to make ``admission_output_tokens``, or all of
+        its ``max_tokens`` when that is unset."""
         out = self.config.admission_output_tokens
-        predicted = req.sampling_params.max_tokens if out is None else out
-        pool_tokens = self.kv.pool.num_blocks * self.kv.block_size
-        wanted = max(req.num_prompt_tokens + predicted, req.num_tokens + 1)
-        return min(wanted, self.max_model_len, pool_tokens)
+        if req.prefill_only:
+            predicted = 1
+        else:
+            predicted = req.sampling_params.max_tokens if out is None else out
+        return reservation_tokens(
+            req.num_prompt_tokens,
+            req.num_tokens,
+            predicted,
+            self.max_model_len,
+            self.kv.pool.num_blocks * self.kv.block_size,
+        )
 
     def no_fit(self, req: Request) -> str:
         return (

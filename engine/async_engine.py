@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from engine.admission import NoRoom
 from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestRejected, StreamOutput
@@ -65,12 +66,15 @@ class BackpressureStats:
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """What a worker reports to the router: its queue, its batch, and the prefix-cache events
-    since the last read (or, for a resync, CLEARED then everything cached now)."""
+    """What a worker reports to the router: its queue, its batch, the KV blocks its requests
+    claim (reserved or held, leases included), the requests admitted since the last read, and
+    the prefix-cache events since then (or, for a resync, CLEARED then everything cached now)."""
 
     num_waiting: int
     num_running: int
     kv_events: list[KVEvent]
+    claimed_blocks: int = 0
+    admitted: list[str] = dataclasses.field(default_factory=list)
 
 
 # Called on the engine thread with (layer, the request's block table) once the forward of the
@@ -187,6 +191,9 @@ class _Add:
     stream: _Stream
     admit: Callable[[LLMEngine], Any]  # adds the request under stream.request_id
     admitted: asyncio.Future[Any] | None = None  # gets admit's result (or its exception)
+    # On NoRoom: wait (parked) and try again after each tick, until this deadline, if any.
+    wait_for_room: bool = False
+    deadline: float | None = None
 
 
 @dataclass
@@ -236,6 +243,8 @@ class AsyncLLMEngine:
         self._idle_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         # Engine-thread only.
         self._streams: dict[str, _Stream] = {}
+        self._parked: list[_Add] = []  # imports waiting for room (NoRoom), in arrival order
+        self._admitted: list[str] = []  # ids admitted since the last load() read
         self._stalled = False  # the last tick changed nothing (every live request paused)
         # Published by the engine thread after every tick, read by anyone.
         self._snap_lock = threading.Lock()
@@ -315,7 +324,9 @@ class AsyncLLMEngine:
     ) -> tuple[list[int], AsyncGenerator[StreamOutput, None]]:
         """Disaggregated decode side (:meth:`LLMEngine.add_imported`): returns the block ids
         to write the imported KV into and the request's stream, which starts once
-        :meth:`call` runs ``finish_import``. Raises RequestRejected / ValueError here."""
+        :meth:`finish_import` runs. Without room right now (NoRoom) it waits, admitted in
+        arrival order after the ticks that free a slot and its blocks, until ``deadline``
+        (then NoRoom is raised). Raises RequestRejected (a hard limit) / ValueError here."""
         rid = self._new_id(request_id)
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[list[int]] = loop.create_future()
@@ -332,7 +343,7 @@ class AsyncLLMEngine:
             )
 
         stream = _Stream(rid, params.n, loop, self.max_buffered_outputs)
-        self._submit(_Add(stream, admit, admitted))
+        self._submit(_Add(stream, admit, admitted, wait_for_room=True, deadline=deadline))
         try:
             blocks = await admitted
         except BaseException:
@@ -368,6 +379,14 @@ class AsyncLLMEngine:
     @property
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.kv.pool.num_blocks
 
     @property
     def model_id(self) -> str:
@@ -413,7 +432,14 @@ class AsyncLLMEngine:
             if resync:  # superseded by the snapshot
                 cached = tuple(e.kv.pool.cached_hashes())
                 events = [KVEvent(KVEventKind.CLEARED), KVEvent(KVEventKind.STORED, cached)]
-            return EngineLoad(e.scheduler.num_waiting, e.scheduler.num_running, events)
+            admitted, self._admitted = self._admitted, []
+            return EngineLoad(
+                e.scheduler.num_waiting,
+                e.scheduler.num_running,
+                events,
+                claimed_blocks=e.kv.claimed_blocks(),
+                admitted=admitted,
+            )
 
         return await self.call(read)  # type: ignore[no-any-return]
 
@@ -543,6 +569,7 @@ class AsyncLLMEngine:
                     self._dispatch(self.engine.step())
                     self._stalled = self._progress() == before
                     self.engine.finished_outputs()  # the offline API's copies: not kept here
+                self._retry_parked()  # after the tick that may have freed their room
                 self._publish()
         except Exception as exc:
             logger.exception("engine step failed; failing every request in flight")
@@ -569,11 +596,13 @@ class AsyncLLMEngine:
 
     def _sleep_for(self) -> float | None:
         """0 while there is work, else how long to sleep (None: until a command comes)."""
-        if not self.engine.has_unfinished():
+        parked = [c.deadline for c in self._parked if c.deadline is not None]
+        if not self.engine.has_unfinished() and not parked:
             return None
-        if not self._stalled:
+        if self.engine.has_unfinished() and not self._stalled:
             return 0.0
         deadlines = [r.deadline for r in self._live_requests() if r.deadline is not None]
+        deadlines += parked
         return max(0.0, min(deadlines) - time.time()) if deadlines else None
 
     def _set_idle(self) -> None:
@@ -600,6 +629,8 @@ class AsyncLLMEngine:
             return
         stream = self._streams.get(command.request_id)
         if stream is None:
+            if isinstance(command, _Abort):
+                self._unpark(command.request_id, RequestRejected("cancelled waiting for room"))
             return  # unknown or already ended
         if isinstance(command, _Abort):
             for sid in stream.seq_ids:
@@ -612,14 +643,49 @@ class AsyncLLMEngine:
         if stream.request_id in self._streams:  # its n > 1 samples may still be running
             stream.end(ValueError(f"duplicate request id {stream.request_id!r}"))
             return
+        if any(c.stream.request_id == stream.request_id for c in self._parked):
+            stream.end(ValueError(f"duplicate request id {stream.request_id!r}"))
+            return
+        self._admit(command)
+
+    def _admit(self, command: _Add) -> bool:
+        """Run the command's admission; False when it was parked (NoRoom, waiting allowed)."""
+        stream = command.stream
         try:
             result = command.admit(self.engine)
+        except NoRoom as exc:
+            if command.wait_for_room:
+                self._parked.append(command)
+                return False
+            _refuse(command, exc)
+            return True
         except (RequestRejected, ValueError) as exc:
             _refuse(command, exc)  # raised from the consumer's first __anext__ (or the await)
-            return
+            return True
         self._streams[stream.request_id] = stream
+        self._admitted.append(stream.request_id)
         if command.admitted is not None:
             _settle(stream.loop, command.admitted, result=result)
+        return True
+
+    def _retry_parked(self) -> None:
+        """Offer parked imports again, in arrival order (the first that still finds no room
+        keeps the rest waiting behind it); those past their deadline are refused."""
+        now = time.time()
+        for command in list(self._parked):
+            if command.deadline is not None and now >= command.deadline:
+                why = "its deadline passed while it waited for room"
+                self._unpark(command.stream.request_id, NoRoom(why))
+        while self._parked:
+            command = self._parked.pop(0)
+            if not self._admit(command):  # parked again, at the end: put it back in front
+                self._parked.insert(0, self._parked.pop())
+                return
+
+    def _unpark(self, request_id: str, error: BaseException) -> None:
+        for command in [c for c in self._parked if c.stream.request_id == request_id]:
+            self._parked.remove(command)
+            _refuse(command, error)
 
     def _dispatch(self, outputs: list[StreamOutput]) -> None:
         """Hand each request its tick's deltas; pause full buffers; close ended streams."""
@@ -684,8 +750,9 @@ class AsyncLLMEngine:
             self._idle = False
             pending = list(self._commands)
             self._commands.clear()
-        for command in pending:
+        for command in [*pending, *self._parked]:
             _refuse(command, EngineDeadError(reason))
+        self._parked.clear()
         try:
             self.engine.fail_all(reason)
             self._publish()

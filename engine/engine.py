@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from engine import metrics
+from engine.admission import RequestRejected
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import TextStream
 from engine.kv_cache_manager import KVCacheManager
@@ -26,10 +27,6 @@ from engine.sampler import Sampler, SamplingSnapshot, SamplingState, TokenLogpro
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
-
-
-class RequestRejected(RuntimeError):
-    """Phase-2 admission refused the request (the message says which limit)."""
 
 
 @dataclass
@@ -186,7 +183,8 @@ class LLMEngine:
         prompt, plus ``resume_output`` when migrated) is being computed by a prefill worker.
         Returns the block ids to write that KV into, in position order; the request waits in
         WAITING_FOR_KV until :meth:`finish_import` brings the token the prefill sampled.
-        Raises RequestRejected when no slot or blocks are free here (try another worker)."""
+        Raises RequestRejected past a hard limit, NoRoom (nothing changed) when no slot,
+        reservation or blocks are free right now."""
         if params.n > 1:
             raise ValueError("imported requests take n=1")
         req = self._new_request(

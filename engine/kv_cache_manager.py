@@ -168,6 +168,10 @@ class KVCacheManager:
         self._reserved[request_id] = need
         return True
 
+    def claimed_blocks(self) -> int:
+        """Blocks promised to requests: each one's max(reserved, held), leases included."""
+        return self._claims()
+
     def reservable_tokens(self) -> int:
         """Largest ``num_tokens`` a reserve() for a new request id would accept now."""
         return max(0, self.pool.num_blocks - self._claims()) * self.block_size

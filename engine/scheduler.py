@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from engine import metrics
-from engine.admission import Admission, AdmissionResult
+from engine.admission import Admission, AdmissionResult, NoRoom
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, token_slice
@@ -82,23 +82,29 @@ class Scheduler:
         """Disaggregated decode side: admit ``req`` whose first ``num_kv_tokens`` positions
         were computed elsewhere. Blocks for them are taken now (uncached until verified) and
         the request waits in WAITING_FOR_KV, holding a batch slot, until :meth:`kv_ready`.
-        No queueing: without a slot, a full reservation or the blocks, it is REJECTED (the
-        router picks another decode worker)."""
+        Past a hard limit it is REJECTED. Without a slot, its full reservation or the blocks
+        right now it raises NoRoom with nothing changed: the cluster's admission promised
+        this worker the room (router/admission.py), so the caller offers it again once a
+        request here ends, instead of failing a request whose client may already have its
+        first token."""
         rid = req.request_id
         if rid in self._requests:
             raise ValueError(f"request {rid} is already in the scheduler")
         if not 0 < num_kv_tokens <= req.num_tokens:
             raise ValueError(f"request {rid}: num_kv_tokens={num_kv_tokens} of {req.num_tokens}")
-        self._requests[rid] = req
         limit = self.admission.hard_limit(req)
         if limit is not None:
+            self._requests[rid] = req
             return self._reject(req, limit)
         if len(self._running) >= self.config.max_num_seqs:
-            return self._reject(req, f"all {self.config.max_num_seqs} batch slots are taken")
+            raise NoRoom(f"request {rid}: all {self.config.max_num_seqs} batch slots are taken")
         if self.admission.reserve(req, allow_degrade=False) is None:
-            return self._reject(req, self.admission.no_fit(req))
+            raise NoRoom(f"request {rid}: {self.admission.no_fit(req)}")
         if self.kv.allocate_slots(req, num_kv_tokens, cache=False) is None:
-            return self._reject(req, f"{self.kv.blocks_for(num_kv_tokens)} KV blocks not free")
+            self.kv.free(rid)  # the reservation just made
+            self.admission.forget(rid)
+            raise NoRoom(f"request {rid}: {self.kv.blocks_for(num_kv_tokens)} KV blocks not free")
+        self._requests[rid] = req
         req.num_computed_tokens = num_kv_tokens
         req.times.queued = req.times.first_scheduled = self.clock()
         req.transition(S.WAITING_FOR_KV)

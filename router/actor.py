@@ -1,5 +1,6 @@
-"""The router actor ``tandem-router``: the cluster's view of its workers, and the choice of a
-prefill/decode pair per attempt (router/policy.py) over an exact prefix index
+"""The router actor ``tandem-router``: the cluster's view of its workers, its admission queue
+(router/admission.py: an attempt gets its prefill/decode pair only once both have room for it),
+and the choice of that pair (router/policy.py) over an exact prefix index
 (router/prefix_index.py).
 
 What it knows comes from the workers' reports (load + KV events, pushed after every change and
@@ -9,6 +10,10 @@ once (no credit for cache that is gone, P12), its reports are ignored, and it ge
 until a health check (``ready()`` on its actor, which Ray restarts) answers; ``ready()`` makes
 the worker resync (CLEARED, then all it holds), so a false alarm costs no credit for cache
 that is still there. A restarted router starts empty and rebuilds from the resyncs.
+
+Admission: ``admit`` queues the attempt and returns its decision once granted (or raises
+AdmissionRefused / NoReplicaAvailable); the coordinator calls ``release`` when the attempt
+ends. Whatever may free room (a report, a release, a worker back) lets the queue's head in.
 """
 
 from __future__ import annotations
@@ -26,10 +31,18 @@ import ray
 from contracts.actors import RouterAPI, WorkerClient
 from contracts.messages import WorkerInfo, WorkerLoad
 from contracts.roles import Role
-from contracts.routing import Decision, RouteRequest, WorkerState
+from contracts.routing import (
+    AdmissionRefused,
+    Decision,
+    NoReplicaAvailable,
+    Refusal,
+    RouteRequest,
+    WorkerState,
+)
 from engine.kv_events import KVEvent
+from router.admission import AdmissionQueue, AdmissionRate, Ledger, Waiter, refusal
 from router.config import RouterConfig
-from router.policy import choose
+from router.policy import WAITABLE, choose
 from router.prefix_index import PrefixIndex
 
 logger = logging.getLogger("tandem.router")
@@ -60,6 +73,11 @@ class RouterActor:
         # Health changes, for watch_health: the version counts them, the event fires on each.
         self.health_version = 0
         self._health_changed = asyncio.Event()
+        self.queue = AdmissionQueue()
+        self.ledger = Ledger(self.states)
+        self.rate = AdmissionRate()
+        self._waiting: dict[Waiter, asyncio.Future[Decision]] = {}
+        self.max_queued_seen = 0  # the deepest the queue got (tests: it never passes its bound)
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Until every worker has reported once (start-up)."""
@@ -83,17 +101,25 @@ class RouterActor:
             return False
         if self.incarnations.get(name) != info.incarnation:
             self.index.drop_worker(name)  # a restarted worker: its old cache is gone
+            self.ledger.forget_worker(name)  # and what it was promised
             self.incarnations[name] = info.incarnation
         if not state.healthy and name in self._checking:
             return False  # failed: it rejoins through the health check
         self.index.apply(name, events)
         state.block_size = info.block_size
+        state.max_num_seqs = info.max_num_seqs
+        state.num_kv_blocks = info.num_kv_blocks
+        state.max_model_len = info.max_model_len
+        state.admission_output_tokens = info.admission_output_tokens
         self.last_seen[name] = time.time()
         self._set_healthy(state, True)
         state.queue_depth = load.queue_depth
         state.num_running = load.num_running
         state.kv_usage = load.kv_usage
         state.prefix_hit_ratio = load.prefix_hit_ratio
+        state.claimed_blocks = load.claimed_blocks
+        self.ledger.admitted(name, load.admitted)
+        self._pump()
         return True
 
     async def worker_failed(self, name: str) -> None:
@@ -108,6 +134,7 @@ class RouterActor:
             logger.warning("worker %s FAILED: %s", name, why)
         self._set_healthy(state, False)
         self.index.drop_worker(name)
+        self.ledger.forget_worker(name)
         if name not in self._checking:
             self._checking.add(name)
             asyncio.get_running_loop().create_task(self._health_check(name))
@@ -154,23 +181,102 @@ class RouterActor:
                 seen = self.last_seen.get(name)
                 if state.healthy and seen is not None and now - seen > self.heartbeat_timeout_s:
                     self._fail(name, f"silent for {now - seen:.1f} s")
+            if self.ledger.expire(now):
+                self._pump()
             await asyncio.sleep(self.heartbeat_timeout_s / 4)
 
-    # -- decisions -----------------------------------------------------------------------------
+    # -- admission and decisions ---------------------------------------------------------------
 
-    async def choose(self, request: RouteRequest) -> Decision:
-        """Pick the attempt's workers (raises NoReplicaAvailable); logs the breakdown."""
-        decision = choose(request, list(self.states.values()), self.index, self.config)
-        # Count the work sent until the workers' next reports say so themselves: a burst of
-        # decisions between two reports must see each other, or it herds onto one replica.
-        for name in {decision.prefill, decision.decode}:
-            if name is not None:
-                self.states[name].queue_depth += 1
-        line = decision.log_line()
-        self.log.append(line)
-        if logger.isEnabledFor(logging.DEBUG):  # the breakdown is ~100 us to serialise
-            logger.debug("route %s", json.dumps(line, default=str))
-        return decision
+    async def admit(self, request: RouteRequest) -> Decision:
+        """The attempt's workers, once every one of them has room for it (router/admission.py).
+        Raises AdmissionRefused (queue full, a wait longer than its deadline, its deadline
+        passed while queued) or NoReplicaAvailable (no worker outside its exclusions)."""
+        self._start_monitor()
+        now = time.time()
+        waiter = self.queue.push(request, now)
+        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        self._waiting[waiter] = future
+        self._pump()
+        if not future.done():  # it has to wait: may it?
+            rate = self.rate.per_second(now)
+            refused = refusal(request, self.config.admission, len(self.queue) - 1, rate, now)
+            if refused is not None:
+                del self._waiting[waiter]
+                self.queue.remove(waiter)
+                self._pump()  # it may have been the head: the next one may fit
+                raise refused
+            waiter.waited = True  # its admission will measure how fast the queue drains
+            self.max_queued_seen = max(self.max_queued_seen, len(self.queue))
+        timeout = None if request.deadline is None else max(0.0, request.deadline - now)
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            if future.done() and not future.cancelled():
+                return future.result()  # granted just as the deadline passed: it may try
+            raise AdmissionRefused(
+                request.request_id,
+                Refusal.DEADLINE_PASSED,
+                f"its deadline passed after {time.time() - now:.1f} s in the admission queue",
+                retry_after_s=None,
+            ) from None
+        except asyncio.CancelledError:  # the caller gave up (its client went away)
+            if future.done() and not future.cancelled() and future.exception() is None:
+                self.ledger.release(request.request_id)
+                self._pump()
+            raise
+        finally:
+            self._waiting.pop(waiter, None)
+            if self.queue.remove(waiter):
+                self._pump()  # the head left: the next one may fit
+
+    async def release(self, attempt_id: str) -> None:
+        """The coordinator is done with ``attempt_id``'s grant (it ended, or never reached
+        its workers)."""
+        if self.ledger.release(attempt_id):
+            self._pump()
+
+    def _pump(self) -> None:
+        """Admit from the queue's head while its attempt finds workers with room."""
+        while (waiter := self.queue.head(self.ledger.in_flight)) is not None:
+            request = waiter.request
+            try:
+                decision = choose(request, list(self.states.values()), self.index, self.config)
+            except NoReplicaAvailable as exc:
+                if WAITABLE & set(exc.reasons.values()):
+                    return  # full or restarting: the head waits, and nobody overtakes it
+                self.queue.remove(waiter)
+                self._settle(waiter, error=exc)
+                continue
+            self.queue.remove(waiter)
+            now = time.time()
+            self.ledger.grant(decision, request, now)
+            if waiter.waited:
+                self.rate.record(now)
+            line = decision.log_line()
+            self.log.append(line)
+            if logger.isEnabledFor(logging.DEBUG):  # the breakdown is ~100 us to serialise
+                logger.debug("route %s", json.dumps(line, default=str))
+            self._settle(waiter, decision=decision)
+
+    def _settle(
+        self,
+        waiter: Waiter,
+        decision: Decision | None = None,
+        error: BaseException | None = None,
+    ) -> None:
+        future = self._waiting.get(waiter)
+        if future is None or future.done():
+            if decision is not None:  # nobody waits for it any more
+                self.ledger.release(decision.request_id)
+            return
+        if error is not None:
+            future.set_exception(error)
+        elif decision is not None:
+            future.set_result(decision)
+
+    async def queue_stats(self) -> tuple[int, int]:
+        """(requests waiting now, the most that ever waited at once)."""
+        return len(self.queue), self.max_queued_seen
 
     async def decisions(self) -> list[dict[str, Any]]:
         return list(self.log)

@@ -28,6 +28,23 @@ class RouterWeights(_Section):
     )
 
 
+class AdmissionConfig(_Section):
+    """The cluster's admission queue (router/admission.py)."""
+
+    max_queued: int = Field(
+        1024,
+        ge=0,
+        description="most requests waiting for capacity; one more is refused with 429 and "
+        "Retry-After before its first byte (P9: never an unbounded queue). 0: refuse at once "
+        "whenever the cluster is full",
+    )
+    predict_wait: bool = Field(
+        True,
+        description="refuse (503 + Retry-After) a request whose predicted wait in the queue, "
+        "from the recent admission rate, is longer than the time left to its deadline",
+    )
+
+
 class RouterConfig(_Section):
     weights: RouterWeights = Field(default_factory=RouterWeights)
     herding_guard: int = Field(
@@ -41,4 +58,8 @@ class RouterConfig(_Section):
         ge=0,
         description="uncached prompts this short are prefilled on the decode worker (shipping "
         "their KV costs more than computing it); 0 = never",
+    )
+    admission: AdmissionConfig = Field(
+        default_factory=AdmissionConfig,
+        description="the cluster's admission queue (router/admission.py)",
     )

@@ -12,7 +12,8 @@ Modes (checked in this order):
 - **disaggregated**: the cheapest prefill replica, then the cheapest decode replica given the
   prefill's failure domain.
 
-Cost (lowest wins), with ``load = queue_depth + num_running`` (requests ahead of this one)::
+Cost (lowest wins), with ``load = queue_depth + num_running + promised_seqs`` (requests ahead
+of this one, counting those the router granted that the worker has not reported yet)::
 
     prefill (and local_prefill, colocated):
         w_queue * load  +  w_uncached * uncached_tokens  +  w_kv * kv_usage
@@ -40,8 +41,11 @@ decode replica in the same domain still wins). Hot-prefix spread: when the eligi
 holding the prompt's first block all sit in one domain, a replica in another domain wins a tie
 on cost, so the prefix gets a copy that survives losing that domain.
 
-Unhealthy workers and excluded workers or domains are never chosen; a pool left empty raises
-``NoReplicaAvailable``. Costs within ``TIE_EPSILON`` are equal; ties break by name.
+Unhealthy workers, excluded workers or domains, and workers without room for the request
+(a free batch slot and the KV blocks its engine would reserve: :func:`needed_blocks`) are never
+chosen; a pool left empty raises ``NoReplicaAvailable``, whose reasons say whether waiting can
+help (``FULL``, ``UNHEALTHY``) or not (exclusions). Costs within ``TIE_EPSILON`` are equal; ties
+break by name.
 """
 
 from __future__ import annotations
@@ -57,10 +61,14 @@ from contracts.routing import (
     Score,
     WorkerState,
 )
+from engine.admission import reservation_tokens
 from router.config import RouterConfig, RouterWeights
 from router.prefix_index import PrefixIndex
 
 TIE_EPSILON = 1e-9  # costs this close are a tie (float sums of the same terms in another order)
+FULL = "full"  # no free batch slot or too few KV blocks for the request: it may wait
+UNHEALTHY = "unhealthy"  # FAILED or not reported yet: it may come back
+WAITABLE = frozenset({FULL, UNHEALTHY})
 
 
 def choose(
@@ -116,17 +124,44 @@ def _eligible(
     reasons: dict[str, str] = {}
     for worker in pool:
         if not worker.healthy:
-            reasons[worker.name] = "unhealthy"
+            reasons[worker.name] = UNHEALTHY
         elif worker.name in request.exclude_workers:
             reasons[worker.name] = "excluded"
         elif worker.domain in request.exclude_domains:
             reasons[worker.name] = f"in excluded domain {worker.domain}"
+        elif not has_room(worker, request, prefill_only=role is Role.PREFILL):
+            reasons[worker.name] = FULL
         else:
             eligible.append(worker)
     skipped.update(reasons)
     if not eligible:
         raise NoReplicaAvailable(role.value, request.request_id, reasons)
     return eligible
+
+
+def needed_blocks(worker: WorkerState, request: RouteRequest, prefill_only: bool) -> int:
+    """The KV blocks ``worker``'s engine reserves when it admits ``request``: the engine's
+    own formula (engine.admission.reservation_tokens) with the worker's limits. A prefill
+    worker makes one token; any other the predicted output."""
+    n = request.num_prompt_tokens
+    if prefill_only:
+        predicted = 1
+    elif worker.admission_output_tokens is not None:
+        predicted = worker.admission_output_tokens
+    else:
+        predicted = request.max_tokens
+    pool_tokens = worker.num_kv_blocks * worker.block_size
+    tokens = reservation_tokens(
+        n - request.num_resumed_tokens, n, predicted, worker.max_model_len, pool_tokens
+    )
+    return -(-tokens // worker.block_size)
+
+
+def has_room(worker: WorkerState, request: RouteRequest, prefill_only: bool) -> bool:
+    """A free batch slot and the blocks for ``request``, counting what is promised already."""
+    return worker.free_seqs >= 1 and worker.free_blocks >= needed_blocks(
+        worker, request, prefill_only
+    )
 
 
 def _may_prefill_locally(
@@ -148,7 +183,7 @@ def _prompt_scores(
 ) -> list[Score]:
     """Scores of replicas that compute the prompt: load, uncached tokens, KV use."""
     w = c.weights
-    loads = [worker.queue_depth + worker.num_running for worker in pool]
+    loads = [worker.load for worker in pool]
     floor = min(loads)
     n = request.num_prompt_tokens
     scores = []
@@ -185,7 +220,7 @@ def _decode_scores(pool: list[WorkerState], prefill_domain: str, w: RouterWeight
     """Scores of decode replicas for a disaggregated pair: load, KV use, shared domain."""
     scores = []
     for worker in pool:
-        load = worker.queue_depth + worker.num_running
+        load = worker.load
         queue = w.queue_depth * load
         kv = w.kv_usage * worker.kv_usage
         spread = w.domain_spread if worker.domain == prefill_domain else 0.0

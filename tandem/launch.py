@@ -27,6 +27,7 @@ from tandem.demo import ensure_demo_model
 from tandem.topology import Role, Topology, WorkerSpec
 
 READY_TIMEOUT_S = 180.0  # loading a model; an actor stuck PENDING for CPUs fails here, loudly
+ROUTER_CALLS_BESIDE_QUEUE = 4096
 _ACTOR_CLASSES: dict[Role, type[EngineWorker]] = {
     Role.PREFILL: PrefillWorker,
     Role.DECODE: DecodeWorker,
@@ -65,7 +66,15 @@ async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cl
     transport = topology.resolved_transport(workers_have_cuda(topology))
     router = RouterClient(
         ray.remote(RouterActor)
-        .options(name=ROUTER_NAME, namespace=NAMESPACE, num_cpus=0.05, max_restarts=-1)
+        .options(
+            name=ROUTER_NAME,
+            namespace=NAMESPACE,
+            num_cpus=0.05,
+            max_restarts=-1,
+            # Every queued admission is a call in progress: room for the whole queue and
+            # the reports, health checks and releases beside it.
+            max_concurrency=topology.router.admission.max_queued + ROUTER_CALLS_BESIDE_QUEUE,
+        )
         .remote(
             [(s.name, s.role, s.domain) for s in specs],
             topology.router,

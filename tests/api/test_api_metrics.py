@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from api.metrics import (
     REJECTION_CAUSES,
+    STREAM_ERROR_CAUSES,
     InvalidMetric,
     Metrics,
     RequestTiming,
@@ -228,6 +229,9 @@ def test_rejections_by_cause_start_at_zero() -> None:
         "context_length",
         "kv_capacity",
         "invalid_request",
+        "queue_full",
+        "queue_wait_exceeds_deadline",
+        "deadline_passed_in_queue",
     }
     m.observe_rejection("rate_limited")
     m.observe_rejection("rate_limited")
@@ -235,6 +239,21 @@ def test_rejections_by_cause_start_at_zero() -> None:
     got = samples(m)
     counts = {c: value(got, "tandem_rejections_total", cause=c) for c in REJECTION_CAUSES}
     assert counts == {**zero, "rate_limited": 2.0, "kv_capacity": 1.0}
+
+
+def test_stream_errors_start_at_zero_and_count_by_cause() -> None:
+    m = Metrics()
+    got = samples(m)
+    zero = {c: value(got, "tandem_stream_errors_total", cause=c) for c in STREAM_ERROR_CAUSES}
+    assert zero == {"failed": 0.0, "timeout": 0.0, "kv_capacity": 0.0, "internal": 0.0}
+    m.observe_stream_error("failed")
+    m.observe_stream_error("timeout")
+    m.observe_stream_error("failed")
+    m.observe_stream_error("teapot")  # not a cause: counted as internal, no new series
+    got = samples(m)
+    counts = {c: value(got, "tandem_stream_errors_total", cause=c) for c in STREAM_ERROR_CAUSES}
+    assert counts == {"failed": 2.0, "timeout": 1.0, "kv_capacity": 0.0, "internal": 1.0}
+    assert not [key for key in got if ("cause", "teapot") in key[1]]
 
 
 def test_unknown_values_are_refused_without_a_new_series() -> None:

@@ -6,12 +6,14 @@ moves by a plain tensor copy here (the transports are tested in test_kv_transfer
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
 from helpers import assert_engine_clean
 
 from engine.async_engine import AsyncLLMEngine
+from engine.admission import NoRoom
 from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestRejected
@@ -152,23 +154,27 @@ def test_import_that_fails_is_reclaimed_once(engines, how: str) -> None:
     assert_engine_clean(d)
 
 
-def test_import_without_room_is_rejected_and_changes_nothing(test_llama: Path) -> None:
+def test_import_without_room_now_raises_no_room_and_changes_nothing(test_llama: Path) -> None:
     small = LLMEngine.from_checkpoint(
         test_llama, CONFIG.model_copy(update={"max_num_seqs": 2, "kv_cache_bytes": 2**16})
     )
     big = small.max_model_len * 3 // 5
     small.add_imported(prompt(big), GREEDY, request_id="a")
     before = small.kv.stats()
-    with pytest.raises(RequestRejected, match="KV reservation"):
+    with pytest.raises(NoRoom, match="KV reservation"):
         small.add_imported(prompt(big, offset=1), GREEDY, request_id="b")
     assert small.kv.stats() == before
     small.add_imported(prompt(4), GREEDY, request_id="c")
-    with pytest.raises(RequestRejected, match="batch slots"):
+    with pytest.raises(NoRoom, match="batch slots"):
         small.add_imported(prompt(4), GREEDY, request_id="d")
     for rid in ("a", "c"):
         small.finish_import(rid, error="test over")
     run(small)
-    assert [r.request_id for r in small.scheduler.records] == ["b", "d", "a", "c"]
+    assert [r.request_id for r in small.scheduler.records] == ["a", "c"]  # none for b, d
+    assert_engine_clean(small)
+    small.add_imported(prompt(big, offset=1), GREEDY, request_id="b")  # room again
+    small.finish_import("b", error="test over")
+    run(small)
     assert_engine_clean(small)
 
 
@@ -301,6 +307,54 @@ def test_the_worker_surface_moves_a_request_between_two_async_engines(test_llama
             assert resync.kv_events[0] == KVEvent(KVEventKind.CLEARED)
             assert set(resync.kv_events[1].block_hashes) == set(stored)
             await p.check_idle()
+            await d.check_idle()
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_an_import_without_room_waits_in_arrival_order_until_room_frees(test_llama: Path) -> None:
+    """AsyncLLMEngine.import_request parks an import that finds no slot (NoRoom) and admits it,
+    in arrival order, after the tick that frees one; a parked import that is cancelled or whose
+    deadline passes leaves without a trace. load() names the admitted ids once each and the
+    blocks their requests claim."""
+    config = CONFIG.model_copy(update={"max_num_seqs": 1})
+
+    async def body() -> None:
+        d = AsyncLLMEngine.from_checkpoint(test_llama, config, kv_events=True)
+        with d:
+            blocks, first = await d.import_request(prompt(20), GREEDY, request_id="a")
+            load = await d.load()
+            assert load.admitted == ["a"] and load.claimed_blocks == 2  # 20 + 12 tokens
+            assert (await d.load()).admitted == []  # taken
+            b = asyncio.ensure_future(d.import_request(prompt(5, 1), GREEDY, request_id="b"))
+            c = asyncio.ensure_future(d.import_request(prompt(5, 2), GREEDY, request_id="c"))
+            late = asyncio.ensure_future(
+                d.import_request(prompt(5, 3), GREEDY, request_id="late", deadline=time.time())
+            )
+            gone = asyncio.ensure_future(d.import_request(prompt(5, 4), GREEDY, request_id="gone"))
+            with pytest.raises(NoRoom, match="deadline passed while it waited"):
+                await late
+            await asyncio.sleep(0.2)
+            assert not (b.done() or c.done() or gone.done())  # parked: no slot
+            gone.cancel()
+            await asyncio.sleep(0.1)
+            assert (await d.load()).admitted == []  # nothing else admitted meanwhile
+            await d.finish_import("a", error="done with it")  # ends: its slot frees
+            assert [o async for o in first][-1].finish_reason is FinishReason.ERROR
+            b_blocks, b_stream = await b
+            assert not c.done()  # one slot: c still waits behind b
+            await d.finish_import("b", next_token=prompt(1)[0])
+            b_outs = [o async for o in b_stream]
+            assert len([t for o in b_outs for t in o.token_ids]) == GREEDY.max_tokens - 1
+            assert b_outs[-1].finish_reason is FinishReason.MAX_TOKENS
+            c_blocks, c_stream = await c
+            await d.finish_import("c", error="done")
+            async for _ in c_stream:
+                pass
+            assert (await d.load()).admitted == ["b", "c"]
+            records = [r.request_id for r in d.records()]
+            assert sorted(records) == ["a", "b", "c"]  # none for "late" or "gone"
+            assert len(blocks) == 2 and len(b_blocks) == len(c_blocks) == 1
             await d.check_idle()
 
     asyncio.run(asyncio.wait_for(body(), 120))

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine.admission import NoRoom
 from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -1066,8 +1067,10 @@ def test_add_imported_refuses_bad_arguments() -> None:
     h.assert_drained()
 
 
-def test_add_imported_rejects_what_cannot_run_here() -> None:
-    """An import is REJECTED, never queued: too long, no batch slot, or no reservation."""
+def test_add_imported_rejects_what_cannot_run_here_and_raises_no_room_for_what_cannot_now() -> None:
+    """Past a hard limit an import is REJECTED (with its record); without a batch slot or its
+    reservation *now* it raises NoRoom and changes nothing (no record, no reservation, no
+    request), so the same request is admitted once room frees."""
     h = Harness(4, max_model_len=12, max_num_seqs=2)
     long = imported(h, "long", 12, 1)
     assert h.sched.add_imported(long, 12) == AdmissionResult(
@@ -1076,33 +1079,38 @@ def test_add_imported_rejects_what_cannot_run_here() -> None:
     big = imported(h, "big", 8, 9, max_tokens=4)
     assert h.sched.add_imported(big, 8).status is S.WAITING_FOR_KV  # reserves 12: 3 blocks
     no_room = imported(h, "no_room", 6, 7)
-    res = h.sched.add_imported(no_room, 6)
-    assert res == AdmissionResult(
-        S.REJECTED, "KV reservation of 9 tokens does not fit (4 tokens reservable)"
-    )
+    before = h.kv.stats()
+    with pytest.raises(
+        NoRoom, match=r"^request no_room: KV reservation of 9 tokens does not fit \(4 tokens "
+    ):
+        h.sched.add_imported(no_room, 6)
+    assert h.kv.stats() == before and not h.sched.admission.holds("no_room")
     h.add("small", 2, max_tokens=1)
     h.sched.kv_ready("big")
     h.step()  # "small" takes the second slot
     no_slot = imported(h, "no_slot", 2, 3)
-    assert h.sched.add_imported(no_slot, 2) == AdmissionResult(
-        S.REJECTED, "all 2 batch slots are taken"
+    with pytest.raises(NoRoom, match="^request no_slot: all 2 batch slots are taken$"):
+        h.sched.add_imported(no_slot, 2)
+    rec = h.record("long")
+    assert (rec.status, rec.finish_reason, rec.error) == (
+        S.REJECTED,
+        FinishReason.REJECTED,
+        "prompt has 13 tokens, more than max_model_len=12",
     )
-    errors = {
-        "long": "prompt has 13 tokens, more than max_model_len=12",
-        "no_room": "KV reservation of 9 tokens does not fit (4 tokens reservable)",
-        "no_slot": "all 2 batch slots are taken",
-    }
-    for rid, error in errors.items():
-        rec = h.record(rid)
-        assert (rec.status, rec.finish_reason, rec.error) == (
-            S.REJECTED,
-            FinishReason.REJECTED,
-            error,
-        )
+    for rid in ("long", "no_room", "no_slot"):
         assert h.sched.get_request(rid) is None and h.kv.num_held_blocks(rid) == 0
+    assert [r.request_id for r in h.sched.records] == ["long"]  # NoRoom leaves no record
+    assert h.reqs["no_slot"].status is S.QUEUED  # untouched
     h.run()
-    h.assert_drained()
     assert h.outputs_of("big") == [9, 109, 110, 111]
+    # Room is back: the imports turned away are admitted as they were.
+    for req, n in ((no_room, 6), (no_slot, 2)):
+        assert h.sched.add_imported(req, n).status is S.WAITING_FOR_KV
+        h.sched.kv_ready(req.request_id)
+        h.run()
+    h.assert_drained()
+    assert h.outputs_of("no_slot") == [3, 103, 104]
+    assert h.outputs_of("no_room") == [7, 107, 108]
 
 
 def test_prefill_only_request_hands_off_and_leases_its_kv() -> None:
@@ -1315,17 +1323,17 @@ def test_children_forked_mid_step_get_their_token_when_the_parent_is_aborted() -
 
 
 def test_import_of_a_one_token_prompt_and_no_degraded_imports() -> None:
-    """A 1-token KV import is valid; under the degrade policy imports are rejected, never degraded."""
+    """A 1-token KV import is valid; under the degrade policy an import that only fits degraded
+    is not admitted (NoRoom), never degraded."""
     h = Harness(4, admission_policy="degrade")
     one = imported(h, "one", 1, 101, max_tokens=2)
     assert h.sched.add_imported(one, 1).status is S.WAITING_FOR_KV
     h.add("A", 4, max_tokens=4)  # reserves 2 blocks: 4 tokens stay reservable
     big = imported(h, "big", 2, 5, max_tokens=6)  # wants 8 tokens: only a degraded fit
-    res = h.sched.add_imported(big, 2)
-    assert res == AdmissionResult(
-        S.REJECTED, "KV reservation of 8 tokens does not fit (4 tokens reservable)"
-    )
-    assert h.reqs["big"].status is S.REJECTED
+    with pytest.raises(NoRoom, match=r"KV reservation of 8 tokens does not fit \(4 tokens"):
+        h.sched.add_imported(big, 2)
+    assert h.reqs["big"].status is S.QUEUED and h.sched.get_request("big") is None
+    del h.reqs["big"]  # never admitted: no record owed
     h.sched.kv_ready("one")
     h.run()
     h.assert_drained()

@@ -1,0 +1,378 @@
+"""Cluster admission: the router's queue order, its ledger of promises, its refusals, and the
+router actor admitting from its queue (driven directly, no Ray)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from contracts.messages import WorkerInfo, WorkerLoad
+from contracts.roles import Role
+from contracts.routing import (
+    AdmissionRefused,
+    Decision,
+    Mode,
+    NoReplicaAvailable,
+    Refusal,
+    RouteRequest,
+    WorkerState,
+)
+from engine.admission import Admission
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from router.actor import RouterActor
+from router.admission import PROMISE_TTL_S, AdmissionQueue, AdmissionRate, Ledger, refusal
+from router.config import AdmissionConfig, RouterConfig
+from router.policy import FULL, choose, has_room, needed_blocks
+from router.prefix_index import PrefixIndex
+
+BS = 4
+
+
+def route(
+    rid: str = "r@1",
+    n: int = 10,
+    *,
+    max_tokens: int = 6,
+    resumed: int = 0,
+    priority: int = 0,
+    tenant: str = "",
+    deadline: float | None = None,
+) -> RouteRequest:
+    return RouteRequest(
+        rid,
+        [],
+        n,
+        max_tokens=max_tokens,
+        num_resumed_tokens=resumed,
+        priority=priority,
+        tenant=tenant,
+        deadline=deadline,
+    )
+
+
+# -- the reservation: one formula for the engine and the router -----------------------------------
+
+
+@given(
+    prompt=st.integers(1, 60),
+    resumed=st.integers(0, 20),
+    max_tokens=st.integers(1, 40),
+    predicted=st.sampled_from([None, 0, 1, 7]),
+    max_model_len=st.integers(8, 100),
+    num_blocks=st.integers(1, 40),
+    prefill_only=st.booleans(),
+)
+def test_the_router_reserves_exactly_what_the_engine_reserves(
+    prompt: int,
+    resumed: int,
+    max_tokens: int,
+    predicted: int | None,
+    max_model_len: int,
+    num_blocks: int,
+    prefill_only: bool,
+) -> None:
+    """needed_blocks (the router's ledger) == the blocks the engine's phase-2 admission
+    reserves for the same request on the same worker, prefill-only or not."""
+    resumed = min(resumed, max_tokens - 1)
+    config = EngineConfig(block_size=BS, admission_output_tokens=predicted)
+    kv = KVCacheManager(num_blocks, BS)
+    req = Request("r", list(range(prompt)), SamplingParams(max_tokens=max_tokens))
+    req.output_token_ids = list(range(resumed))
+    req.prefill_only = prefill_only
+    engine_blocks = kv.blocks_for(Admission(config, kv, max_model_len).target_tokens(req))
+    state = WorkerState(
+        "decode-0",
+        Role.DECODE,
+        "a",
+        block_size=BS,
+        num_kv_blocks=num_blocks,
+        max_model_len=max_model_len,
+        admission_output_tokens=predicted,
+    )
+    r = route(n=prompt + resumed, max_tokens=max_tokens, resumed=resumed)
+    assert needed_blocks(state, r, prefill_only) == engine_blocks
+
+
+def test_room_counts_reports_and_promises() -> None:
+    w = WorkerState("decode-0", Role.DECODE, "a", block_size=BS, max_num_seqs=3, num_kv_blocks=10)
+    r = route(n=10, max_tokens=6)  # 16 tokens: 4 blocks
+    assert needed_blocks(w, r, prefill_only=False) == 4
+    assert needed_blocks(w, r, prefill_only=True) == 3  # 11 tokens
+    assert has_room(w, r, prefill_only=False)
+    w.claimed_blocks, w.promised_blocks = 3, 3  # 4 free blocks: exactly enough
+    assert has_room(w, r, prefill_only=False)
+    w.promised_blocks = 4
+    assert not has_room(w, r, prefill_only=False) and has_room(w, r, prefill_only=True)
+    w.promised_blocks = 0
+    w.queue_depth, w.num_running, w.promised_seqs = 1, 1, 1  # 3 of 3 slots
+    assert w.load == 3 and w.free_seqs == 0 and not has_room(w, r, prefill_only=True)
+
+
+def test_a_full_worker_is_skipped_saying_so() -> None:
+    workers = [
+        WorkerState("prefill-0", Role.PREFILL, "a", block_size=BS, max_num_seqs=1),
+        WorkerState("decode-0", Role.DECODE, "a", block_size=BS, max_num_seqs=1, num_running=1),
+        WorkerState("decode-1", Role.DECODE, "b", block_size=BS, max_num_seqs=1),
+    ]
+    config = RouterConfig(local_prefill_max_tokens=0)
+    decision = choose(route(n=40), workers, PrefixIndex(), config)
+    assert (decision.prefill, decision.decode) == ("prefill-0", "decode-1")
+    assert decision.skipped == {"decode-0": FULL}
+    workers[2].promised_seqs = 1
+    with pytest.raises(NoReplicaAvailable) as err:
+        choose(route(n=40), workers, PrefixIndex(), config)
+    assert err.value.reasons == {"decode-0": FULL, "decode-1": FULL}
+
+
+# -- the queue -------------------------------------------------------------------------------------
+
+waiter_spec = st.tuples(st.booleans(), st.integers(-1, 1), st.sampled_from(["t1", "t2", "t3"]))
+
+
+@given(
+    specs=st.lists(waiter_spec, min_size=1, max_size=30),
+    in_flight=st.dictionaries(st.sampled_from(["t1", "t2", "t3"]), st.integers(0, 3)),
+)
+def test_queue_order_is_started_then_priority_then_fair_share_then_arrival(
+    specs: list[tuple[bool, int, str]], in_flight: dict[str, int]
+) -> None:
+    """Draining the queue (each admission adds one to its tenant's in-flight count) follows the
+    brute-force order: min over waiters of (not started, priority, tenant's in flight, seq)."""
+    queue = AdmissionQueue()
+    model = []
+    for seq, (started, priority, tenant) in enumerate(specs):
+        r = route(f"r{seq}@1", n=20, resumed=int(started), priority=priority, tenant=tenant)
+        model.append((queue.push(r, 0.0), seq))
+    flying = dict(in_flight)
+    while model:
+        best = min(
+            model,
+            key=lambda ws: (
+                not ws[0].request.started,
+                ws[0].request.priority,
+                flying.get(ws[0].request.tenant, 0),
+                ws[1],
+            ),
+        )
+        assert queue.head(flying) is best[0]
+        assert queue.remove(best[0]) and not queue.remove(best[0])
+        model.remove(best)
+        flying[best[0].request.tenant] = flying.get(best[0].request.tenant, 0) + 1
+        assert len(queue) == len(model)
+    assert queue.head(flying) is None and queue.waiters() == []
+
+
+def test_one_tenant_flooding_does_not_starve_another() -> None:
+    queue = AdmissionQueue()
+    flood = [queue.push(route(f"a{i}@1", tenant="a"), 0.0) for i in range(5)]
+    late = queue.push(route("b0@1", tenant="b"), 1.0)
+    in_flight = {"a": 2}  # "a" already has two requests running, "b" none
+    assert queue.head(in_flight) is late
+    queue.remove(late)
+    assert queue.head({"a": 2, "b": 1}) is flood[0]
+
+
+# -- refusals and the drain rate --------------------------------------------------------------------
+
+
+def test_refusals() -> None:
+    config = AdmissionConfig(max_queued=3)
+    now = 1000.0
+    assert refusal(route(), config, num_ahead=2, rate=None, now=now) is None
+    full = refusal(route("x@1"), config, num_ahead=3, rate=0.5, now=now)
+    assert full is not None and full.reason is Refusal.QUEUE_FULL and full.retry_after_s == 2.0
+    assert refusal(route("x@1"), config, num_ahead=3, rate=None, now=now).retry_after_s == 1.0  # type: ignore[union-attr]
+    # A started stream (a migration) is never refused, full queue or not.
+    assert refusal(route("x@2", resumed=3), config, num_ahead=99, rate=0.1, now=now) is None
+    # 2 ahead at 1 admission/s: a 3 s wait. 2.5 s left: refused; 3 s left: it waits.
+    late = refusal(route(deadline=now + 2.5), config, num_ahead=2, rate=1.0, now=now)
+    assert late is not None and late.reason is Refusal.WAIT_EXCEEDS_DEADLINE
+    assert late.retry_after_s == 1.0
+    assert refusal(route(deadline=now + 3.0), config, num_ahead=2, rate=1.0, now=now) is None
+    unpredicted = AdmissionConfig(max_queued=3, predict_wait=False)
+    assert refusal(route(deadline=now + 0.1), unpredicted, 2, 1.0, now) is None
+    assert refusal(route(deadline=now + 0.1), config, 2, None, now) is None  # no rate yet
+
+
+def test_admission_rate_needs_recent_samples() -> None:
+    rate = AdmissionRate()
+    for t in (0.0, 0.5, 1.0):
+        rate.record(t)
+    assert rate.per_second(1.0) is None  # too few to measure
+    rate.record(1.5)
+    assert rate.per_second(1.5) == pytest.approx(2.0)
+    assert rate.per_second(1000.0) is None  # all too old
+
+
+# -- the ledger ------------------------------------------------------------------------------------
+
+
+def states() -> dict[str, WorkerState]:
+    return {
+        "prefill-0": WorkerState("prefill-0", Role.PREFILL, "a", block_size=BS, max_num_seqs=4),
+        "decode-0": WorkerState("decode-0", Role.DECODE, "b", block_size=BS, max_num_seqs=4),
+    }
+
+
+def decision(rid: str, prefill: str | None = "prefill-0") -> Decision:
+    mode = Mode.DISAGGREGATED if prefill else Mode.LOCAL_PREFILL
+    return Decision(rid, mode, prefill, "decode-0", 0, 10, ())
+
+
+def test_a_grant_promises_until_each_worker_reports_it() -> None:
+    s = states()
+    ledger = Ledger(s)
+    r = route("r@1", n=10, max_tokens=6, tenant="t")  # prefill 3 blocks, decode 4
+    ledger.grant(decision("r@1"), r, now=0.0)
+    p, d = s["prefill-0"], s["decode-0"]
+    assert (p.promised_seqs, p.promised_blocks, d.promised_seqs, d.promised_blocks) == (1, 3, 1, 4)
+    assert ledger.in_flight == {"t": 1}
+    ledger.admitted("prefill-0", ("r@1", "other@1"))  # unknown ids are ignored
+    assert (p.promised_seqs, p.promised_blocks, d.promised_seqs, d.promised_blocks) == (0, 0, 1, 4)
+    ledger.admitted("prefill-0", ("r@1",))  # again: nothing left to clear there
+    assert (p.promised_seqs, p.promised_blocks) == (0, 0)
+    assert ledger.release("r@1") and not ledger.release("r@1")
+    assert (d.promised_seqs, d.promised_blocks) == (0, 0) and ledger.in_flight == {}
+
+
+def test_forget_and_expire() -> None:
+    s = states()
+    ledger = Ledger(s)
+    ledger.grant(decision("a@1"), route("a@1"), now=0.0)
+    ledger.grant(decision("b@1", prefill=None), route("b@1"), now=PROMISE_TTL_S / 2)
+    ledger.forget_worker("decode-0")  # it restarted: promised nothing any more
+    assert (s["decode-0"].promised_seqs, s["decode-0"].promised_blocks) == (0, 0)
+    assert s["prefill-0"].promised_seqs == 1
+    assert ledger.in_flight == {"": 2}  # the grants stay until released
+    assert ledger.expire(now=PROMISE_TTL_S + 1) == ["a@1"]  # its prefill never reported
+    assert s["prefill-0"].promised_seqs == 0 and ledger.in_flight == {"": 1}
+    ledger.grant(decision("c@1"), route("c@1"), now=0.0)
+    ledger.admitted("prefill-0", ("c@1",))
+    ledger.admitted("decode-0", ("c@1",))
+    # c was seen everywhere, b's only promise went with its worker: both wait for release.
+    assert ledger.expire(now=10 * PROMISE_TTL_S) == []
+    assert set(ledger.grants) == {"b@1", "c@1"}
+
+
+def test_a_repeated_attempt_id_replaces_its_grant() -> None:
+    s = states()
+    ledger = Ledger(s)
+    ledger.grant(decision("a@1"), route("a@1"), now=0.0)
+    ledger.grant(decision("a@1"), route("a@1"), now=1.0)
+    assert s["decode-0"].promised_seqs == 1 and ledger.in_flight == {"": 1}
+
+
+# -- the router actor, driven directly -------------------------------------------------------------
+
+
+def info(name: str, role: Role, max_num_seqs: int = 2, blocks: int = 64) -> WorkerInfo:
+    return WorkerInfo(
+        name,
+        role,
+        "a" if name.endswith("0") else "b",
+        None,
+        BS,
+        incarnation="i1",
+        max_model_len=256,
+        vocab_size=100,
+        max_num_seqs=max_num_seqs,
+        num_kv_blocks=blocks,
+    )
+
+
+def load(
+    name: str, running: int = 0, claimed: int = 0, admitted: tuple[str, ...] = ()
+) -> WorkerLoad:
+    return WorkerLoad(
+        name, "i1", 0, running, claimed / 64, claimed_blocks=claimed, admitted=admitted
+    )
+
+
+WORKERS = [("prefill-0", Role.PREFILL, "a"), ("decode-0", Role.DECODE, "a")]
+
+
+async def router(max_queued: int = 8) -> RouterActor:
+    config = RouterConfig(
+        local_prefill_max_tokens=0, admission=AdmissionConfig(max_queued=max_queued)
+    )
+    actor = RouterActor(WORKERS, config, heartbeat_timeout_s=3600.0, namespace="test")
+    for name, role, _ in WORKERS:
+        await actor.report(info(name, role), load(name), [])
+    return actor
+
+
+def test_the_router_admits_as_room_frees_in_order_and_refuses_past_its_bound() -> None:
+    async def body() -> None:
+        actor = await router(max_queued=2)
+        calls = [asyncio.ensure_future(actor.admit(route(f"r{i}@1", n=8))) for i in range(4)]
+        await asyncio.sleep(0.01)
+        assert [c.done() for c in calls] == [True, True, False, False]  # 2 slots each
+        assert (await actor.queue_stats()) == (2, 2)
+        with pytest.raises(AdmissionRefused) as full:
+            await actor.admit(route("r9@1", n=8))
+        assert full.value.reason is Refusal.QUEUE_FULL and full.value.retry_after_s == 1.0
+        # A migration is never refused and goes first, full queue or not.
+        started = asyncio.ensure_future(actor.admit(route("r0@2", n=12, resumed=2)))
+        await asyncio.sleep(0.01)
+        assert (await actor.queue_stats())[0] == 3
+        # r0 ends: its grant is released and both workers report it gone. The migration
+        # (first in the queue) takes the room, then r1's release lets r2 in.
+        await actor.release("r0@1")
+        await actor.report(
+            info("prefill-0", Role.PREFILL), load("prefill-0", admitted=("r1@1",)), []
+        )
+        await actor.report(info("decode-0", Role.DECODE), load("decode-0", 1, 4, ("r1@1",)), [])
+        await asyncio.sleep(0.01)
+        assert started.done() and not calls[2].done()
+        assert (await started).decode == "decode-0"
+        await actor.release("r1@1")
+        await actor.report(info("decode-0", Role.DECODE), load("decode-0"), [])
+        await asyncio.sleep(0.01)
+        assert calls[2].done() and not calls[3].done()
+        assert [line["request_id"] for line in await actor.decisions()] == [
+            "r0@1",
+            "r1@1",
+            "r0@2",
+            "r2@1",
+        ]
+        calls[3].cancel()  # its client left: it leaves the queue
+        await asyncio.sleep(0.01)
+        assert (await actor.queue_stats()) == (0, 3)
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_a_queued_request_past_its_deadline_is_refused_and_leaves() -> None:
+    async def body() -> None:
+        actor = await router()
+        loop = asyncio.get_running_loop()
+        held = [await actor.admit(route(f"h{i}@1")) for i in range(2)]
+        assert [d.decode for d in held] == ["decode-0", "decode-0"]
+        start = loop.time()
+        with pytest.raises(AdmissionRefused) as late:
+            await actor.admit(route("late@1", deadline=time.time() + 0.2))
+        assert late.value.reason is Refusal.DEADLINE_PASSED and late.value.retry_after_s is None
+        assert 0.15 < loop.time() - start < 1.0
+        assert (await actor.queue_stats())[0] == 0
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_a_request_no_worker_outside_its_exclusions_can_serve_fails_at_once() -> None:
+    """Waiting cannot help a request whose exclusions leave no worker: it is not queued."""
+
+    async def body() -> None:
+        actor = await router()
+        excluded = RouteRequest("x@2", [], 8, exclude_workers=frozenset({"decode-0"}))
+        with pytest.raises(NoReplicaAvailable):
+            await actor.admit(excluded)
+        assert (await actor.queue_stats())[0] == 0
+
+    asyncio.run(asyncio.wait_for(body(), 10))
