@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from helpers import assert_engine_clean
 
-from engine.async_engine import AsyncLLMEngine
 from engine.admission import NoRoom
+from engine.async_engine import AsyncLLMEngine
 from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestRejected
