@@ -376,3 +376,37 @@ def test_a_request_no_worker_outside_its_exclusions_can_serve_fails_at_once() ->
         assert (await actor.queue_stats())[0] == 0
 
     asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_a_request_whose_predicted_wait_passes_its_deadline_is_refused_at_once() -> None:
+    """Once the queue's drain rate is measured (admissions of requests that waited), a request
+    whose predicted wait is longer than the time left to its deadline is refused with
+    WAIT_EXCEEDS_DEADLINE, not queued; one with time enough waits."""
+
+    async def body() -> None:
+        actor = await router(max_queued=16)
+        for i in range(2):
+            await actor.admit(route(f"h{i}@1"))
+        waiters = [asyncio.ensure_future(actor.admit(route(f"w{i}@1"))) for i in range(6)]
+        await asyncio.sleep(0.01)
+        for i in range(4):  # each release lets one waiter in, 50 ms apart: 20 admissions/s
+            await asyncio.sleep(0.05)
+            await actor.release(f"h{i}@1" if i < 2 else f"w{i - 2}@1")
+            await actor.report(info("decode-0", Role.DECODE), load("decode-0"), [])
+        await asyncio.sleep(0.01)
+        assert [w.done() for w in waiters] == [True] * 4 + [False] * 2
+        rate = actor.rate.per_second(time.time())
+        assert rate is not None and 10 < rate < 30
+        with pytest.raises(AdmissionRefused) as late:  # 3 to wait for: ~0.15 s > 0.05 s left
+            await actor.admit(route("late@1", deadline=time.time() + 0.05))
+        assert late.value.reason is Refusal.WAIT_EXCEEDS_DEADLINE
+        assert late.value.retry_after_s == 1.0
+        assert len(actor.queue) == 2  # not queued
+        patient = asyncio.ensure_future(actor.admit(route("ok@1", deadline=time.time() + 5)))
+        await asyncio.sleep(0.01)
+        assert not patient.done() and len(actor.queue) == 3  # waits
+        patient.cancel()
+        for w in waiters[4:]:
+            w.cancel()
+
+    asyncio.run(asyncio.wait_for(body(), 10))
