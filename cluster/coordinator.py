@@ -2,9 +2,10 @@
 
 It lives with the client-facing side (the Serve ingress; the driver in tests). Per request::
 
-    router.admit ──> prefill.prefill(attempt) ── KVSource ──> decode.decode(attempt, source)
-      (waits for       │ first token (TTFT)                  │ tokens 2.. (streamed)
-       room on both)   └──────────────> client <─────────────┘          ... router.release
+    router.admit ──> prefill.prefill(attempt) ── KVSource ──> decode.start_decode(attempt, source)
+      (waits for       │ first token (TTFT)                  │ tokens 2.. (the decode worker's
+       room on both)   │                                     │ token stream: cluster/token_stream)
+                       └──────────────> client <─────────────┘          ... router.release
 
 Each attempt is admitted by the router before it starts (router/admission.py): it waits there
 until both of its workers have a slot and its KV for it, or is refused (AdmissionRefused,
@@ -30,7 +31,8 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +41,7 @@ from ray.exceptions import RayActorError
 
 from cluster.client_stream import AttemptFailed, ClientDelta, ClientStream
 from cluster.retry import Exclusions, GiveUp, RetriesExhausted, RetryBudget, RetryPolicy
+from cluster.token_stream import Hub, Inbox
 from contracts.actors import RouterClient, WorkerClient
 from contracts.messages import Attempt, KVPullFailed, KVSource, RequestSpec, TokenBatch, WorkerInfo
 from contracts.routing import (
@@ -101,10 +104,12 @@ class RequestRun:
 
 class _HealthWatch:
     """The router's view of worker health, kept current by one long poll per event loop;
-    ``failed(worker)`` is an event that is set while the worker is FAILED."""
+    ``failed(worker)`` is an event that is set while the worker is FAILED, and ``on_failed``
+    is called with its name when it goes FAILED."""
 
-    def __init__(self, router: RouterClient) -> None:
+    def __init__(self, router: RouterClient, on_failed: Callable[[str], None]) -> None:
         self.router = router
+        self.on_failed = on_failed
         self._events: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -129,6 +134,8 @@ class _HealthWatch:
             for name, healthy in health.items():
                 event = self._events.setdefault(name, asyncio.Event())
                 if not healthy:
+                    if not event.is_set():
+                        self.on_failed(name)
                     event.set()
                 elif event.is_set():
                     self._events[name] = asyncio.Event()  # healthy again: a fresh watch
@@ -149,8 +156,12 @@ class Coordinator:
         self.model_id = model_id
         self.budget = RetryBudget(retry)
         self.records: RecordLog[ClientRecord] = RecordLog()  # the latest, bounded
-        self._health = _HealthWatch(router)
+        self._health = _HealthWatch(router, self._worker_failed)
         self._releases: set[asyncio.Task[None]] = set()  # grants being given back
+        # The workers' token streams to this coordinator (made on the loop that reads them).
+        self.consumer = f"coordinator-{uuid.uuid4().hex[:12]}"
+        self._hubs: dict[str, Hub] = {}
+        self._hubs_loop: asyncio.AbstractEventLoop | None = None
 
     # -- the client API ------------------------------------------------------------------------
 
@@ -250,32 +261,37 @@ class Coordinator:
             deadline=spec.deadline,
         )
         decision = await self._admit(route, spec.deadline)
-        generators: list[Any] = []
+        aid = attempt.attempt_id
+        decode = self.workers[decision.decode]
+        hub = self._hub(decision.decode)
+        inbox = hub.open(aid)
+        prefill: Any = None
+        over = False  # the attempt ended on its worker (nothing to stop there)
         try:
             if decision.prefill is None:  # colocated, or prefill on the decode worker
-                gen = self.workers[decision.decode].generate(attempt)
-                generators.append(gen)
-                async for delta in self._deliver(gen, decision.decode, stream):
+                await self._await(decode.start_generate(attempt, self.consumer), decision.decode)
+                async for delta in self._deliver(inbox, decision.decode, stream):
                     yield delta
+                over = True
                 return
             prefill = self.workers[decision.prefill].prefill(attempt)
-            generators.append(prefill)
             source: KVSource = await self._next(prefill, decision.prefill)
-            decode = self.workers[decision.decode].decode(attempt, source)
-            generators.append(decode)
+            started = decode.start_decode(attempt, source, self.consumer)
+            await self._await(started, decision.decode)
             first: TokenBatch = await self._next(prefill, decision.prefill)
             if (head := stream.accept(first, decision.prefill)) is not None:
                 yield head
             if stream.finished:
                 return
-            handoff = self.workers[decision.decode].handoff(attempt.attempt_id, first)
-            await self._await(handoff, decision.decode)
-            async for delta in self._deliver(decode, decision.decode, stream):
+            await self._await(decode.handoff(aid, first), decision.decode)
+            async for delta in self._deliver(inbox, decision.decode, stream):
                 yield delta
+            over = True
         finally:
-            for gen in generators:
-                ray.cancel(gen)  # a worker still streaming this attempt stops and frees KV
-            self._release(attempt.attempt_id)
+            if prefill is not None:
+                ray.cancel(prefill)  # a prefill still holding its lease lets it go
+            hub.close(aid, stop=not over)  # a decode still running stops and frees its KV
+            self._release(aid)
 
     async def _admit(self, route: RouteRequest, deadline: float | None) -> Decision:
         """The router's decision, once the attempt's workers have room for it (it waits in the
@@ -329,11 +345,7 @@ class Coordinator:
         except RayActorError as exc:
             raise AttemptFailed(f"{worker} died: {type(exc).__name__}", worker, dead=True) from exc
         except Exception as exc:  # the worker raised (transfer error, no room, injected fault)
-            cause = getattr(exc, "cause", exc)  # a RayTaskError wraps the worker's exception
-            if isinstance(cause, KVPullFailed):  # the KV's source is to blame, not the puller
-                raise AttemptFailed(str(cause), cause.worker, dead=cause.dead) from exc
-            rejected = isinstance(cause, RequestRejected)
-            raise AttemptFailed(f"{worker}: {cause}", worker, rejected=rejected) from exc
+            raise _failure(exc, worker) from exc
 
     async def _unless_failed(self, awaitable: Any, worker: str) -> Any:
         """Await a worker's answer, unless the router marks the worker FAILED first (a hung
@@ -355,15 +367,37 @@ class Coordinator:
         raise AttemptFailed(f"{worker} is FAILED (router: missed heartbeats)", worker, True)
 
     async def _deliver(
-        self, gen: Any, worker: str, stream: ClientStream
+        self, inbox: Inbox, worker: str, stream: ClientStream
     ) -> AsyncGenerator[ClientDelta, None]:
         while not stream.finished:
-            batch: TokenBatch = await self._next(gen, worker)
+            try:
+                batch = await inbox.get()
+            except AttemptFailed:
+                raise
+            except RayActorError as exc:
+                raise AttemptFailed(f"{worker} died: {type(exc).__name__}", worker, True) from exc
+            except Exception as exc:  # the attempt failed there (transfer, injected fault)
+                raise _failure(exc, worker) from exc
             delta = stream.accept(batch, worker)
             if delta is not None:
                 yield delta
             if batch.finished and not stream.finished:
                 raise AttemptFailed(f"{worker} ended without a finish reason", worker)
+
+    def _hub(self, worker: str) -> Hub:
+        """``worker``'s token stream to this coordinator, on the running loop."""
+        loop = asyncio.get_running_loop()
+        if self._hubs_loop is not loop:  # streams belong to the loop that reads them
+            self._hubs, self._hubs_loop = {}, loop
+        if worker not in self._hubs:
+            self._hubs[worker] = Hub(worker, self.workers[worker], self.consumer)
+        return self._hubs[worker]
+
+    def _worker_failed(self, worker: str) -> None:
+        """The router marked ``worker`` FAILED: what it streams to us will not come."""
+        hub = self._hubs.get(worker)
+        if hub is not None:
+            hub.fail(AttemptFailed(f"{worker} is FAILED (router: missed heartbeats)", worker, True))
 
     async def _report_dead(self, worker: str) -> None:
         try:
@@ -374,3 +408,12 @@ class Coordinator:
     def _hashes(self, tokens: list[int], cache_salt: str) -> list[int]:
         block_size = next(iter(self.infos.values())).block_size
         return prefix_hashes(tokens, block_size, cache_salt, self.model_id)
+
+
+def _failure(exc: Exception, worker: str) -> AttemptFailed:
+    """What ``worker`` raised for an attempt, as the AttemptFailed that blames the right worker."""
+    cause = getattr(exc, "cause", exc)  # a RayTaskError wraps the worker's exception
+    if isinstance(cause, KVPullFailed):  # the KV's source is to blame, not the puller
+        return AttemptFailed(str(cause), cause.worker, dead=cause.dead)
+    rejected = isinstance(cause, RequestRejected)
+    return AttemptFailed(f"{worker}: {cause}", worker, rejected=rejected)

@@ -5,12 +5,22 @@ A worker is a Ray actor (async: its methods are coroutines on one event loop) se
 thread steps the model; it uses only the engine's named surface (requests, KV layers, load and
 KV events, imports, leases). The prefill and
 decode actors (``prefill_worker/``, ``decode_worker/``) add their half of the hand-off; any worker
-can also serve a request whole (:meth:`EngineWorker.generate`: the colocated path, and the
+can also serve a request whole (:meth:`EngineWorker.start_generate`: the colocated path, and the
 decode worker's local prefill of short prompts).
 
 Reports: after every change a worker pushes its load and the prefix-cache events since the last
 report to the router actor (``RouterActor.report``), at most every ``report_interval_s``; the
 router treats a worker silent for longer than its heartbeat timeout as FAILED.
+
+Tokens go back over one stream per coordinator (``subscribe``), not one per attempt: an engine
+step makes one token for each of its requests, and a Ray message each would cost more CPU than
+the step itself (docs/benchmarks.md#served-path). A coordinator starts attempts here with
+``start_generate`` / ``start_decode``; each runs as a task that puts its batches in the
+coordinator's :class:`Outbox`, where an attempt's batches merge until the stream takes them
+(one message per wake-up carries every attempt's news). ``stop`` cancels an attempt (its KV is
+freed within a tick); ``pace`` pauses one whose client reads slowly (the engine then fills its
+bounded buffer and pauses the request, BACKPRESSURED). A coordinator whose stream ends (it
+closed it, or its process died) has its attempts here cancelled.
 """
 
 from __future__ import annotations
@@ -27,7 +37,7 @@ import ray
 
 from contracts.actors import NAMESPACE, RouterClient, WorkerAPI
 from contracts.faults import FaultPlan, FaultPoint
-from contracts.messages import Attempt, TokenBatch, WorkerInfo, WorkerLoad
+from contracts.messages import Attempt, Delivery, TokenBatch, WorkerInfo, WorkerLoad
 from contracts.roles import Role
 from engine.async_engine import AsyncLLMEngine, BackpressureStats
 from engine.config import EngineConfig
@@ -53,6 +63,38 @@ def batch_of(out: StreamOutput) -> TokenBatch:
         logprobs=out.logprobs,
         queue_time_s=out.queue_time_s,
     )
+
+
+class Outbox:
+    """What one coordinator has not received yet: per attempt, its batches merged into one,
+    then the exception that ended it there, if any."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[TokenBatch | Exception]] = {}
+        self.ready = asyncio.Event()
+
+    def put(self, attempt_id: str, item: TokenBatch | Exception) -> None:
+        items = self.pending.setdefault(attempt_id, [])
+        if items and isinstance(item, TokenBatch) and isinstance(items[-1], TokenBatch):
+            items[-1] = items[-1].then(item)
+        else:
+            items.append(item)
+        self.ready.set()
+
+    def take(self) -> list[Delivery]:
+        taken, self.pending = self.pending, {}
+        self.ready.clear()
+        return list(taken.items())
+
+
+class _Served:
+    """One attempt running here for a coordinator."""
+
+    def __init__(self, consumer: str) -> None:
+        self.consumer = consumer
+        self.task: asyncio.Task[None] | None = None
+        self.resumed = asyncio.Event()
+        self.resumed.set()
 
 
 class EngineWorker:
@@ -89,6 +131,8 @@ class EngineWorker:
         # Resyncs asked for (start, readmission, a lost or ignored report) and delivered.
         self._resyncs_asked = 0
         self._resyncs_done = 0
+        self._outboxes: dict[str, Outbox] = {}  # consumer -> what it has not received
+        self._served: dict[str, _Served] = {}  # attempt id -> its task here
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -200,9 +244,81 @@ class EngineWorker:
                 pass  # a heartbeat even when nothing changed
             await asyncio.sleep(self.report_interval_s)
 
+    # -- the token stream to each coordinator --------------------------------------------------
+
+    async def subscribe(self, consumer: str) -> AsyncGenerator[list[Delivery], None]:
+        """The token stream to coordinator ``consumer``: a message whenever some of its
+        attempts here have news. Ends (closed, cancelled, its caller gone): every attempt of
+        ``consumer`` here is stopped, as nobody reads it any more."""
+        outbox = self._outbox(consumer)
+        try:
+            while True:
+                await outbox.ready.wait()
+                # Let the other attempts woken by the same engine step add theirs: one
+                # message per step, not one per attempt.
+                for _ in range(2):
+                    await asyncio.sleep(0)
+                yield outbox.take()
+        finally:
+            if self._outboxes.get(consumer) is outbox:
+                del self._outboxes[consumer]
+            for served in list(self._served.values()):
+                if served.consumer == consumer and served.task is not None:
+                    served.task.cancel()
+
+    async def start_generate(self, attempt: Attempt, consumer: str) -> None:
+        """Serve ``attempt`` whole here (colocated, or a decode worker's local prefill); its
+        tokens go to ``consumer``'s stream."""
+        self._start(attempt, consumer, self._generate(attempt))
+
+    async def stop(self, attempt_id: str) -> None:
+        """Cancel the attempt (its consumer gave up on it); its KV is freed within a tick."""
+        served = self._served.get(attempt_id)
+        if served is not None and served.task is not None:
+            served.task.cancel()
+
+    async def pace(self, attempt_id: str, paused: bool) -> None:
+        """Pause (or resume) taking an attempt's tokens from the engine: its consumer's client
+        reads slowly. Paused long enough, the engine pauses the request (BACKPRESSURED)."""
+        served = self._served.get(attempt_id)
+        if served is not None:
+            if paused:
+                served.resumed.clear()
+            else:
+                served.resumed.set()
+
+    def _outbox(self, consumer: str) -> Outbox:
+        return self._outboxes.setdefault(consumer, Outbox())
+
+    def _start(
+        self, attempt: Attempt, consumer: str, batches: AsyncGenerator[TokenBatch, None]
+    ) -> None:
+        aid = attempt.attempt_id
+        if aid in self._served:
+            raise ValueError(f"attempt {aid} is already running here")
+        served = self._served[aid] = _Served(consumer)
+        served.task = asyncio.get_running_loop().create_task(self._serve(aid, served, batches))
+
+    async def _serve(
+        self, attempt_id: str, served: _Served, batches: AsyncGenerator[TokenBatch, None]
+    ) -> None:
+        """Move one attempt's batches to its consumer's outbox until it ends; an exception
+        that ends it goes there too (the consumer raises it for that attempt)."""
+        try:
+            async for batch in batches:
+                self._outbox(served.consumer).put(attempt_id, batch)
+                await served.resumed.wait()
+        except asyncio.CancelledError:
+            pass  # stopped: its consumer expects nothing more
+        except Exception as exc:
+            self._outbox(served.consumer).put(attempt_id, exc)
+        finally:
+            await batches.aclose()
+            del self._served[attempt_id]
+
     # -- serving a whole request ---------------------------------------------------------------
 
-    async def generate(self, attempt: Attempt) -> AsyncGenerator[TokenBatch, None]:
+    async def _generate(self, attempt: Attempt) -> AsyncGenerator[TokenBatch, None]:
         """Prefill and decode here (colocated, or a decode worker's local prefill)."""
         spec = attempt.request
         self._touch()

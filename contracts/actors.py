@@ -2,7 +2,8 @@
 typed client over its Ray handle, so no caller names a method by string.
 
     coordinator ──RouterClient.admit / release──> router     workers ──RouterClient.report──> router
-    coordinator ──WorkerClient.prefill / decode / handoff / generate──> worker actors
+    coordinator ──WorkerClient.prefill / start_decode / handoff / start_generate / stop──> workers
+    workers ──subscribe (one token stream per coordinator, every attempt's batches)──> coordinator
     router ──WorkerClient.ready──> worker (health check)
 
 A client's methods return what Ray returns for the call (an ``ObjectRef``, awaitable; or an
@@ -19,6 +20,7 @@ from ray import ObjectRef, ObjectRefGenerator
 from contracts.faults import FaultPlan
 from contracts.messages import (
     Attempt,
+    Delivery,
     KVSource,
     TokenBatch,
     TransferRecord,
@@ -33,9 +35,10 @@ from engine.request import TerminalRecord
 
 NAMESPACE = "tandem"  # the Ray namespace of every Tandem actor
 ROUTER_NAME = "tandem-router"
-# Token batches a worker's stream may run ahead of its consumer before it blocks (Ray generator
-# backpressure); the engine behind it then fills its own bounded buffer and pauses the request.
-STREAM_AHEAD_BATCHES = 4
+# Messages a worker's token stream may run ahead of its coordinator before it blocks (Ray
+# generator backpressure). The coordinator reads its streams without pause; a slow client is
+# paced per attempt (``pace``).
+STREAM_AHEAD_MESSAGES = 16
 
 
 class WorkerAPI(Protocol):
@@ -43,7 +46,10 @@ class WorkerAPI(Protocol):
 
     async def ready(self) -> WorkerInfo: ...
     async def set_faults(self, plan: FaultPlan) -> None: ...
-    def generate(self, attempt: Attempt) -> AsyncGenerator[TokenBatch, None]: ...
+    def subscribe(self, consumer: str) -> AsyncGenerator[list[Delivery], None]: ...
+    async def start_generate(self, attempt: Attempt, consumer: str) -> None: ...
+    async def stop(self, attempt_id: str) -> None: ...
+    async def pace(self, attempt_id: str, paused: bool) -> None: ...
     async def kv_stats(self) -> KVStats: ...
     async def records(self) -> list[TerminalRecord]: ...
     async def check_idle(self) -> KVStats: ...
@@ -61,7 +67,7 @@ class PrefillAPI(WorkerAPI, Protocol):
 class DecodeAPI(WorkerAPI, Protocol):
     """A decode worker (decode_worker.worker.DecodeWorker)."""
 
-    def decode(self, attempt: Attempt, source: KVSource) -> AsyncGenerator[TokenBatch, None]: ...
+    async def start_decode(self, attempt: Attempt, source: KVSource, consumer: str) -> None: ...
     async def handoff(self, attempt_id: str, first: TokenBatch) -> None: ...
     async def transfer_records(self, after: int = 0) -> list[TransferRecord]: ...
 
@@ -81,8 +87,7 @@ class RouterAPI(Protocol):
 
 
 class WorkerClient:
-    """A worker actor's Ray handle with the worker interfaces as typed methods. Streams are
-    backpressured: a consumer that stops reading stops the worker after a few batches."""
+    """A worker actor's Ray handle with the worker interfaces as typed methods."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
@@ -93,14 +98,26 @@ class WorkerClient:
     def set_faults(self, plan: FaultPlan) -> ObjectRef[None]:
         return self.handle.set_faults.remote(plan)
 
-    def generate(self, attempt: Attempt) -> ObjectRefGenerator:
-        return self._stream(self.handle.generate, attempt)
+    def subscribe(self, consumer: str) -> ObjectRefGenerator:
+        options = self.handle.subscribe.options(
+            _generator_backpressure_num_objects=STREAM_AHEAD_MESSAGES
+        )
+        return options.remote(consumer)  # type: ignore[no-any-return]
+
+    def start_generate(self, attempt: Attempt, consumer: str) -> ObjectRef[None]:
+        return self.handle.start_generate.remote(attempt, consumer)
+
+    def stop(self, attempt_id: str) -> ObjectRef[None]:
+        return self.handle.stop.remote(attempt_id)
+
+    def pace(self, attempt_id: str, paused: bool) -> ObjectRef[None]:
+        return self.handle.pace.remote(attempt_id, paused)
 
     def prefill(self, attempt: Attempt) -> ObjectRefGenerator:
         return self.handle.prefill.remote(attempt)  # two items, then it holds the lease
 
-    def decode(self, attempt: Attempt, source: KVSource) -> ObjectRefGenerator:
-        return self._stream(self.handle.decode, attempt, source)
+    def start_decode(self, attempt: Attempt, source: KVSource, consumer: str) -> ObjectRef[None]:
+        return self.handle.start_decode.remote(attempt, source, consumer)
 
     def handoff(self, attempt_id: str, first: TokenBatch) -> ObjectRef[None]:
         return self.handle.handoff.remote(attempt_id, first)
@@ -125,11 +142,6 @@ class WorkerClient:
 
     def pid(self) -> ObjectRef[int]:
         return self.handle.pid.remote()
-
-    @staticmethod
-    def _stream(method: Any, *args: Any) -> ObjectRefGenerator:
-        options = method.options(_generator_backpressure_num_objects=STREAM_AHEAD_BATCHES)
-        return options.remote(*args)  # type: ignore[no-any-return]
 
 
 class RouterClient:

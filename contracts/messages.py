@@ -75,6 +75,28 @@ class TokenBatch:
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
     queue_time_s: float | None = None  # in the batch with the attempt's first token
 
+    def then(self, newer: TokenBatch) -> TokenBatch:
+        """This batch and the ``newer`` one after it, as one."""
+        both_none = self.logprobs is None and newer.logprobs is None
+        # The sampler state after the newer tokens; unknown if they came without one.
+        known = newer.sampler_snapshot is not None or newer.token_ids
+        return TokenBatch(
+            token_ids=self.token_ids + newer.token_ids,
+            text=self.text + newer.text,
+            finished=newer.finished,
+            finish_reason=newer.finish_reason,
+            sampler_snapshot=newer.sampler_snapshot if known else self.sampler_snapshot,
+            error=newer.error,
+            logprobs=None if both_none else (self.logprobs or []) + (newer.logprobs or []),
+            queue_time_s=self.queue_time_s if self.queue_time_s is not None else newer.queue_time_s,
+        )
+
+
+# What a worker's token stream to one coordinator carries (``WorkerAPI.subscribe``): for each
+# attempt with news since the last message, its tokens (merged into one batch) and, if the
+# attempt failed there, the exception last.
+Delivery = tuple[str, list["TokenBatch | Exception"]]
+
 
 @dataclass(frozen=True)
 class WorkerInfo:

@@ -3,17 +3,18 @@
 
 ::
 
-    decode(attempt, source):
-        import_request  -> blocks reserved, request WAITING_FOR_KV (rejected: no room here)
+    start_decode(attempt, source, consumer):
+        import_request  -> blocks reserved, request WAITING_FOR_KV (it waits for a slot and
+                           its blocks if the router's admission raced the engine's reclaim)
         pull            -> each verified layer written into those blocks (overlaps the prefill)
         ack             -> the prefill worker frees its lease
         handoff(token)  <- the first token and sampler state, relayed by the coordinator
-        finish_import   -> DECODING; stream tokens 2.. back
+        finish_import   -> DECODING; tokens 2.. to the consumer's stream (subscribe)
 
 A pull that fails (corrupt, truncated, peer gone, deadline) fails the import: the request ends
 FAILED through the one reclaim path and the error names the prefill worker, so the coordinator
-retries elsewhere. It can also serve whole requests (``generate``): the local prefill of short
-uncached prompts, where disaggregation costs more than it saves.
+retries elsewhere. It can also serve whole requests (``start_generate``): the local prefill of
+short uncached prompts, where disaggregation costs more than it saves.
 """
 
 from __future__ import annotations
@@ -60,7 +61,13 @@ class DecodeWorker(EngineWorker):
         if not future.done():
             future.set_result(first)
 
-    async def decode(self, attempt: Attempt, source: KVSource) -> AsyncGenerator[TokenBatch, None]:
+    async def start_decode(self, attempt: Attempt, source: KVSource, consumer: str) -> None:
+        """Continue ``attempt`` here with its KV from ``source``; its tokens go to
+        ``consumer``'s stream (:meth:`subscribe`)."""
+        self._start(attempt, consumer, self._decode(attempt, source))
+
+    async def _decode(self, attempt: Attempt, source: KVSource) -> AsyncGenerator[TokenBatch, None]:
+        """The attempt's tokens 2.. once its KV is pulled and its first token handed off."""
         spec = attempt.request
         aid = attempt.attempt_id
         handoff = self._handoff(aid)

@@ -37,6 +37,9 @@ def direct_ingress_env(port: int) -> dict[str, str]:
         "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
         # No external load balancer to deregister from: stopping need not wait 30 s.
         "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+        # Nor a proxy that may still route to a released port (Serve holds a released port
+        # out of use for 150 s for its HAProxy): the next replica takes ``port`` at once.
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
     }
 
 

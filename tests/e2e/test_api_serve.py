@@ -14,6 +14,7 @@ import json
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,6 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from tandem.serve import free_port, wait_until_ready
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-llama"
@@ -56,33 +56,19 @@ serve:
 
 
 @pytest.fixture(scope="module")
-def proxy_port() -> int:
-    return free_port("127.0.0.1")
+def proxy_port(server: str, serve_app: Callable[[Path], str]) -> int:
+    """Serve's proxy port: it serves the same application."""
+    return serve_app.proxy_port  # type: ignore[attr-defined, no-any-return]
 
 
 @pytest.fixture(scope="module")
 def server(
-    ray_session: None,
-    direct_ingress_port: int,
-    proxy_port: int,
-    test_llama: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Any:
-    """The ingress replica's own URL (direct ingress, as ``tandem serve`` runs it); Serve's
-    proxy serves the same application on ``proxy_port``."""
-    from ray import serve
-
-    from tandem.deployment import app_builder
-
+    serve_app: Callable[[Path], str], test_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> str:
+    """The ingress replica's own URL (direct ingress, as ``tandem serve`` runs it)."""
     topology = tmp_path_factory.mktemp("serve") / "topology.yaml"
     topology.write_text(TOPOLOGY.format(path=test_llama, engine=ENGINE, keys=json.dumps(KEYS)))
-    serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
-    serve.run(app_builder({"topology": str(topology)}), name="tandem", blocking=False)
-    url = f"http://127.0.0.1:{direct_ingress_port}"
-    wait_until_ready(url, timeout_s=300)
-    yield url
-    serve.delete("tandem")
-    serve.shutdown()
+    return serve_app(topology)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import http.client
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,6 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
-from tandem.serve import free_port, wait_until_ready
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-llama"
@@ -53,24 +53,11 @@ heartbeat_timeout_s: 5.0
 
 @pytest.fixture(scope="module")
 def server(
-    ray_session: None,
-    direct_ingress_port: int,
-    test_llama: Path,
-    tmp_path_factory: pytest.TempPathFactory,
-) -> Any:
-    from ray import serve
-
-    from tandem.deployment import app_builder
-
+    serve_app: Callable[[Path], str], test_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> str:
     topology = tmp_path_factory.mktemp("overload") / "topology.yaml"
     topology.write_text(TOPOLOGY.format(path=test_llama, engine=ENGINE, bound=BOUND))
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port("127.0.0.1")})
-    serve.run(app_builder({"topology": str(topology)}), name="tandem", blocking=False)
-    url = f"http://127.0.0.1:{direct_ingress_port}"
-    wait_until_ready(url, timeout_s=300)
-    yield url
-    serve.delete("tandem")
-    serve.shutdown()
+    return serve_app(topology)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,71 @@
+"""The Serve application fixture the HTTP e2e modules share."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import ray
+
+from contracts.actors import NAMESPACE, ROUTER_NAME
+from tandem.serve import free_port, wait_until_ready
+from tandem.topology import load_topology
+
+ServeApp = Callable[[Path], str]
+
+
+def _wait_actors_gone(names: list[str], timeout_s: float = 60.0) -> None:
+    """Until none of ``names`` is a live actor in Tandem's namespace: a deleted application's
+    workers die with its ingress replica, a little after ``serve.delete`` returns."""
+    until = time.time() + timeout_s
+    for name in names:
+        while True:
+            try:
+                ray.get_actor(name, namespace=NAMESPACE)
+            except ValueError:
+                break
+            assert time.time() < until, f"actor {name} outlived its application"
+            time.sleep(0.1)
+
+
+def _wait_port_free(port: int, timeout_s: float = 60.0) -> None:
+    until = time.time() + timeout_s
+    while True:
+        try:
+            free_port("127.0.0.1", port)
+            return
+        except ValueError:
+            assert time.time() < until, f"port {port} still in use"
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def serve_app(ray_session: None, direct_ingress_port: int) -> Iterator[ServeApp]:
+    """``serve_app(topology_file)`` deploys Tandem's Serve application with that topology and
+    returns the ingress replica's URL (direct ingress, as ``tandem serve`` runs it); Serve's
+    proxy also serves it, on ``serve_app.proxy_port``. Deleted at the module's end, once its
+    actors are gone (the next module's cluster takes the same names)."""
+    from ray import serve
+
+    from tandem.deployment import app_builder
+
+    names: list[str] = []
+    proxy_port = free_port("127.0.0.1")
+
+    def deploy(topology: Path) -> str:
+        names.extend([ROUTER_NAME, *(w.name for w in load_topology(topology).workers())])
+        _wait_actors_gone(names)  # a previous module's cluster
+        _wait_port_free(direct_ingress_port)  # and its ingress replica (Serve would block it)
+        serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
+        serve.run(app_builder({"topology": str(topology)}), name="tandem", blocking=False)
+        url = f"http://127.0.0.1:{direct_ingress_port}"
+        wait_until_ready(url, timeout_s=300)
+        return url
+
+    deploy.proxy_port = proxy_port  # type: ignore[attr-defined]
+    yield deploy
+    serve.delete("tandem")
+    serve.shutdown()
+    _wait_actors_gone(names)
