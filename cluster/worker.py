@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import ray
+import torch
 
 from contracts.actors import NAMESPACE, RouterClient, WorkerAPI
 from contracts.faults import FaultPlan, FaultPoint
@@ -116,8 +117,14 @@ class EngineWorker:
         self.name = name
         self.domain = domain
         self.incarnation = uuid.uuid4().hex[:12]
+        # The engine thread computes with the threads Ray gives this actor (OMP_NUM_THREADS)
+        # unless the topology says, in the process's only OpenMP team (EngineConfig).
+        threads = engine_config.num_threads or torch.get_num_threads()
         self.engine = AsyncLLMEngine.from_checkpoint(
-            Path(model_dir), engine_config, model_id=model_id, kv_events=True
+            Path(model_dir),
+            engine_config.model_copy(update={"num_threads": threads}),
+            model_id=model_id,
+            kv_events=True,
         )
         # By name, not handle: a handle among the constructor's arguments would live in the
         # object store, and Ray cannot restart an actor whose arguments were lost.

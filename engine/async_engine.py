@@ -128,7 +128,8 @@ class _Stream:
     # -- engine thread --
 
     def push(self, entry: list[StreamOutput]) -> tuple[int, bool]:
-        """Buffer one tick's deltas. Returns (depth, whether this push filled it: pause now)."""
+        """Buffer one tick's deltas; the caller wakes the consumer (:func:`_wake_all`).
+        Returns (depth, whether this push filled it: pause now)."""
         with self._lock:
             if len(self._entries) < self.capacity:
                 self._entries.append(entry)
@@ -137,7 +138,6 @@ class _Stream:
             depth = len(self._entries)
             pause = depth >= self.capacity and not self._paused
             self._paused |= pause
-        self._wake()
         return depth, pause
 
     def take_resume(self) -> bool:
@@ -158,12 +158,7 @@ class _Stream:
         self._wake()
 
     def _wake(self) -> None:
-        if self.loop.is_closed():
-            return  # the consumer's loop is gone; the engine thread aborts the request
-        try:
-            self.loop.call_soon_threadsafe(self._wakeup.set)
-        except RuntimeError:
-            pass  # closed between the check and the call
+        _wake_all([self])
 
     # -- event loop --
 
@@ -184,6 +179,27 @@ class _Stream:
                         raise self._error
                     return None, False
             await self._wakeup.wait()
+
+
+def _wake_all(streams: list[_Stream]) -> None:
+    """Wake the consumers of ``streams``: one call into each event loop, not one per stream
+    (a tick feeds every request of the batch; a wake-up each would be a syscall and a loop
+    iteration each, taken from the cores the next step computes on)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
+    for stream in streams:
+        by_loop.setdefault(stream.loop, []).append(stream._wakeup)
+    for loop, events in by_loop.items():
+        if loop.is_closed():
+            continue  # the consumer's loop is gone; the engine thread aborts the request
+        try:
+            loop.call_soon_threadsafe(_set_all, events)
+        except RuntimeError:
+            pass  # closed between the check and the call
+
+
+def _set_all(events: list[asyncio.Event]) -> None:
+    for event in events:
+        event.set()
 
 
 @dataclass
@@ -252,8 +268,13 @@ class AsyncLLMEngine:
         self._records: RecordLog[TerminalRecord] = RecordLog()
         self._records_seen = 0  # scheduler records copied into _records
         self._bp = BackpressureStats(0, 0, 0)
-        self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        threads = engine.config.num_threads
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(threads, started), name="tandem-engine", daemon=True
+        )
         self._thread.start()
+        started.wait()
 
     @classmethod
     def from_checkpoint(
@@ -266,7 +287,10 @@ class AsyncLLMEngine:
         max_buffered_outputs: int = 64,
     ) -> AsyncLLMEngine:
         """Load a local checkpoint (see LLMEngine.from_checkpoint) and start the engine thread.
-        ``kv_events``: record prefix-cache events for :meth:`load` (a router's index)."""
+        ``kv_events``: record prefix-cache events for :meth:`load` (a router's index). With
+        ``config.num_threads`` set, loading computes single-threaded (see EngineConfig)."""
+        if config is not None and config.num_threads is not None:
+            torch.set_num_threads(1)
         engine = LLMEngine.from_checkpoint(path, config, model_id=model_id)
         if kv_events:
             engine.kv.pool.record_events()
@@ -558,7 +582,10 @@ class AsyncLLMEngine:
 
     # -- the engine thread ---------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def _run(self, threads: int | None, started: threading.Event) -> None:
+        if threads is not None:
+            torch.set_num_threads(threads)  # this thread's OpenMP team (EngineConfig.num_threads)
+        started.set()
         reason, cause = "shutdown", None
         try:
             while (commands := self._wait_for_work()) is not None:
@@ -692,9 +719,11 @@ class AsyncLLMEngine:
         entries: dict[str, list[StreamOutput]] = {}
         for out in outputs:
             entries.setdefault(out.request_id.partition("#")[0], []).append(out)
+        woken = []
         for rid, entry in entries.items():
             stream = self._streams[rid]
             depth, pause = stream.push(entry)
+            woken.append(stream)
             if depth > self._bp.max_buffered:
                 self._count(max_buffered=depth)
             if pause:
@@ -707,6 +736,7 @@ class AsyncLLMEngine:
             if ended and all(scheduler.get_request(sid) is None for sid in stream.seq_ids):
                 del self._streams[rid]
                 stream.end()
+        _wake_all(woken)
 
     def _set_backpressured(self, stream: _Stream, on: bool) -> None:
         for sid in stream.seq_ids:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
@@ -382,3 +384,23 @@ def test_shutdown_fails_requests_in_flight(engine: LLMEngine) -> None:
     assert {r.error for r in records} == {"shutdown"}
     assert_idle_kv(aengine)
     assert_engine_clean(engine)
+
+
+def test_num_threads_gives_the_engine_thread_the_only_openmp_team(test_llama: Path) -> None:
+    """With EngineConfig.num_threads the checkpoint loads single-threaded and the engine thread
+    computes with num_threads (run in a child process: it changes torch's threads for good)."""
+    script = f"""
+import asyncio, torch
+from engine.async_engine import AsyncLLMEngine
+from engine.config import EngineConfig
+torch.set_num_threads(2)
+engine = AsyncLLMEngine.from_checkpoint({str(test_llama)!r}, EngineConfig(num_threads=3))
+async def main():
+    return await engine.call(lambda e: torch.get_num_threads())
+print(torch.get_num_threads(), asyncio.run(main()))
+engine.shutdown()
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split()[-2:] == ["1", "3"], out.stderr
