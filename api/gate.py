@@ -79,9 +79,10 @@ class GateConfig(_Section):
     quotas: dict[str, TenantQuota] = Field(
         default_factory=dict, description="per tenant; tenants not listed get default_quota"
     )
-    default_quota: TenantQuota = Field(
-        default_factory=lambda: TenantQuota(requests_per_s=100.0, burst=200, max_concurrent=256),
-        description="generous: a brake on floods, not a fair share",
+    default_quota: TenantQuota | None = Field(
+        None,
+        description="the quota of tenants not in quotas; None: no per-tenant limit (the "
+        "cluster's admission queue bounds the load: router.admission)",
     )
 
     @field_validator("api_keys")
@@ -191,6 +192,10 @@ class IngressGate:
         with self._lock:
             now = self._clock()
             state = self._tenants.get(tenant)
+            if quota is None:  # unlimited: only counted
+                state = state or self._tenants.setdefault(tenant, _TenantState(0.0, now))
+                state.in_flight += 1
+                return Ticket(self, tenant)
             if state is None:
                 state = self._tenants[tenant] = _TenantState(tokens=float(quota.burst), stamp=now)
             # A clock that steps back (an injected one may) refills nothing.

@@ -466,3 +466,18 @@ def test_tenant_names_accepted() -> None:
         {"api_keys": {"k1": "a", "k2": "team-1.prod_x", "k3": "a"}, "quotas": {"a": quota()}}
     )
     assert set(config.api_keys.values()) == {"a", "team-1.prod_x"}
+
+
+def test_by_default_a_tenant_has_no_limit_but_is_counted() -> None:
+    """No default quota: a flood is the admission queue's to bound (429 queue_full there), not
+    the gate's; listed tenants keep theirs."""
+    keys = {"key-a": "alice", "key-b": "bob"}
+    gate = IngressGate(GateConfig(api_keys=keys, quotas={"bob": quota(1.0, 1, 1)}))
+    tickets = [gate.admit(bearer("key-a"), 10) for _ in range(2000)]
+    assert gate.in_flight("alice") == 2000
+    gate.admit(bearer("key-b"), 10)
+    assert rejection(gate, bearer("key-b")).code is RejectCode.RATE_LIMITED
+    for ticket in tickets:
+        ticket.release()
+    assert gate.in_flight("alice") == 0
+    assert GateConfig().default_quota is None
