@@ -8,6 +8,7 @@ transformers is never imported here (it costs seconds to import).
 from __future__ import annotations
 
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,6 +56,23 @@ def load_checkpoint(
         if name not in weights:
             raise CheckpointError(f"{root}: tensor {name!r} is missing from the checkpoint")
     return LoadedCheckpoint(config=config, weights=weights, path=root)
+
+
+def read_model_config(path: str | Path, dtype: str = "auto") -> tuple[ModelConfig, int]:
+    """The checkpoint's shape (as ``load_checkpoint`` reads it, on a CPU) and the bytes its
+    weights take once cast to ``dtype``, without loading them: what sizing a worker's KV
+    cache needs."""
+    root = Path(path)
+    raw = _read_json(root / "config.json")
+    target = _resolve_dtype(raw, dtype, torch.device("cpu"))
+    config = _model_config(raw, _eos_ids(root, raw), target)
+    element = torch.tensor([], dtype=target).element_size()
+    numel = 0
+    for file in _weight_files(root):
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                numel += math.prod(f.get_slice(name).get_shape())
+    return config, numel * element
 
 
 def required_tensor_names(config: ModelConfig) -> list[str]:

@@ -6,6 +6,8 @@ the same layout with ``num_host_blocks`` blocks (pinned on CUDA).
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Callable
 
 import numpy as np
@@ -42,14 +44,13 @@ class ModelRunner:
         self.model = DecoderModel(mc, ckpt.weights, device)
         # Zeros, not empty: decode reads padding slots (masked out, weight 0), and 0 * NaN from
         # uninitialised memory would still poison the output.
-        self.kv_cache = torch.zeros(
-            self._cache_shape(self.num_blocks), dtype=mc.dtype, device=device
-        )
-        self.host_cache = torch.zeros(
-            self._cache_shape(self.num_host_blocks),
-            dtype=mc.dtype,
-            pin_memory=device.type == "cuda",
-        )
+        self.kv_cache = _zeros(self._cache_shape(self.num_blocks), mc.dtype, device)
+        if device.type == "cuda":
+            self.host_cache = torch.zeros(
+                self._cache_shape(self.num_host_blocks), dtype=mc.dtype, pin_memory=True
+            )
+        else:
+            self.host_cache = _zeros(self._cache_shape(self.num_host_blocks), mc.dtype, device)
         self.kv_layout = KVLayout.from_cache(self.kv_cache)
         self._workspace = torch.empty(self._workspace_shape(0), dtype=mc.dtype, device=device)
         # Called with (layer index, the step's SchedulerOutput) once that layer's K/V of the
@@ -244,3 +245,15 @@ class ModelRunner:
             )
         if min(c.block_table) < 0 or max(c.block_table) >= self.num_blocks:
             raise ValueError(f"request {c.request_id}: block id outside [0, {self.num_blocks})")
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A zero tensor. On a CPU, an anonymous memory mapping: the kernel hands out zero pages
+    as they are first written, so a KV cache sized from the machine's memory costs memory only
+    for the blocks requests have used (``torch.zeros`` writes every page at start)."""
+    if device.type != "cpu" or 0 in shape:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    numel = math.prod(shape)
+    nbytes = numel * torch.tensor([], dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, nbytes)  # the tensor keeps it alive
+    return torch.frombuffer(mapping, dtype=dtype, count=numel).view(shape)

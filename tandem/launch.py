@@ -9,6 +9,7 @@ restarted worker rejoins once the router's health check reaches it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,10 +21,12 @@ from cluster.worker import EngineWorker
 from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient
 from contracts.messages import WorkerInfo
 from decode_worker.worker import DecodeWorker
+from engine.loader import read_model_config
 from kv_transfer import Transport
 from prefill_worker.worker import PrefillWorker
 from router.actor import RouterActor
 from tandem.demo import ensure_demo_model
+from tandem.sizing import sized_engine, sizes_itself
 from tandem.topology import Role, Topology, WorkerSpec
 
 READY_TIMEOUT_S = 180.0  # loading a model; an actor stuck PENDING for CPUs fails here, loudly
@@ -59,10 +62,29 @@ def workers_have_cuda(topology: Topology) -> bool:
     return topology.gpu_workers() and ray.cluster_resources().get("GPU", 0) > 0
 
 
+def sized_workers(topology: Topology, model_dir: Path, cluster_memory: float) -> list[WorkerSpec]:
+    """``topology``'s workers, those whose pool leaves its KV cache out sized from their
+    memory (tandem/sizing.py): the pool's ``memory_bytes``, or an equal share of
+    ``cluster_memory`` (Ray's ``memory`` resource) among all the workers."""
+    specs = topology.workers()
+    if not any(sizes_itself(s.engine) for s in specs):
+        return specs
+    model, weights = read_model_config(model_dir, topology.model.dtype)
+    share = int(cluster_memory // len(specs))
+    out = []
+    for s in specs:
+        if sizes_itself(s.engine):
+            memory = s.memory_bytes or share
+            engine = sized_engine(s.engine, memory, model, weights, s.kv_memory_fraction)
+            s = dataclasses.replace(s, memory_bytes=memory, engine=engine)
+        out.append(s)
+    return out
+
+
 async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cluster:
     """Launch every actor of ``topology`` and wait until all are ready."""
     model_dir = model_dir or model_dir_of(topology)
-    specs = topology.workers()
+    specs = sized_workers(topology, model_dir, ray.cluster_resources().get("memory", 0.0))
     transport = topology.resolved_transport(workers_have_cuda(topology))
     router = RouterClient(
         ray.remote(RouterActor)
@@ -112,7 +134,11 @@ def _start_worker(
     if spec.role is Role.DECODE:
         kwargs["transport"] = transport
     # On a labelled cluster a worker's domain is where it runs: schedule it on such a node.
-    placement = {"label_selector": {topology.label_key: spec.domain}} if by_label else {}
+    placement: dict[str, Any] = (
+        {"label_selector": {topology.label_key: spec.domain}} if by_label else {}
+    )
+    if spec.memory_bytes is not None:
+        placement["memory"] = spec.memory_bytes
     return (
         ray.remote(cls)
         .options(

@@ -107,7 +107,24 @@ class PoolSpec(_Section):
     )
     spread: Spread = Spread.ROUND_ROBIN
     engine: EngineConfig = Field(
-        default_factory=EngineConfig, description="engine limits of every worker in the pool"
+        default_factory=EngineConfig,
+        description="engine limits of every worker in the pool; without kv_cache_bytes, the "
+        "KV cache and (unless given) max_num_seqs are sized from the worker's memory "
+        "(tandem/sizing.py)",
+    )
+    memory_bytes: int | None = Field(
+        None,
+        ge=2**26,
+        description="memory Ray reserves for each worker (its `memory` resource); None: an "
+        "equal share of the cluster's memory among the topology's workers when the engine's "
+        "KV cache is sized from it, else no reservation",
+    )
+    kv_memory_fraction: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description="share of a worker's memory, once the model's weights are loaded, that "
+        "becomes its KV cache when engine.kv_cache_bytes is left out",
     )
 
     @field_validator("domains")
@@ -150,6 +167,8 @@ class WorkerSpec:
     num_cpus: float
     num_gpus: float
     engine: EngineConfig
+    memory_bytes: int | None = None  # what Ray reserves for it (tandem/sizing.py)
+    kv_memory_fraction: float = 0.3
 
 
 class Topology(_Section):
@@ -288,6 +307,8 @@ class Topology(_Section):
                         num_cpus=pool.num_cpus,
                         num_gpus=pool.num_gpus,
                         engine=engine,
+                        memory_bytes=pool.memory_bytes,
+                        kv_memory_fraction=pool.kv_memory_fraction,
                     )
                 )
         return out

@@ -7,6 +7,7 @@ its baseline when every sequence is done.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -393,3 +394,22 @@ def test_block_table_must_cover_the_chunk(test_llama: Path) -> None:
     outside = ScheduledChunk("r", [1, 2], 0, [runner.num_blocks], True)
     with pytest.raises(ValueError, match="outside"):
         runner.execute(SchedulerOutput([outside]))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_a_cpu_kv_cache_takes_memory_only_as_blocks_are_written(test_llama: Path) -> None:
+    """A KV cache sized from the machine (GiBs) costs memory for the blocks used, not at start;
+    it reads as zeros (the padding slots decode reads must never be NaN)."""
+    ckpt = load_checkpoint(test_llama)
+    before = _rss_bytes()
+    runner = ModelRunner(ckpt, EngineConfig(kv_cache_bytes=4 * 2**30), torch.device("cpu"))
+    assert runner.kv_cache.nbytes >= 4 * 2**30 - runner.kv_cache.nbytes // runner.num_blocks
+    assert _rss_bytes() - before < 256 * 2**20
+    assert runner.kv_cache[:, :, runner.num_blocks - 1].abs().sum().item() == 0.0
+    runner.kv_cache[:, :, :4] = 1.0  # writing commits those pages only
+    assert runner.kv_cache[:, :, :4].min().item() == 1.0
+    assert _rss_bytes() - before < 256 * 2**20

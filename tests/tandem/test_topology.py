@@ -16,6 +16,7 @@ from contracts.roles import Role
 from engine.config import EngineConfig
 from kv_transfer import Transport
 from tandem.launch import workers_have_cuda
+from tandem.sizing import sizes_itself
 from tandem.topology import Topology, TopologyError, WorkerSpec, load_topology
 
 TOPOLOGIES = Path(__file__).resolve().parents[2] / "deploy" / "topologies"
@@ -45,16 +46,16 @@ def test_every_example_loads_places_and_says_what_it_is_for(path: Path) -> None:
 
 def test_local_yaml_places_exactly() -> None:
     topology = load_topology(TOPOLOGIES / "local.yaml")
-    engine = EngineConfig(
-        kv_cache_bytes=64 * 2**20, swap_space_bytes=32 * 2**20, max_num_seqs=16,
-        max_num_batched_tokens=512,
-    )  # fmt: skip
+    engine = EngineConfig(num_threads=1)  # KV and slots left to be sized from the machine
     assert topology.workers() == [
-        WorkerSpec("prefill-0", Role.PREFILL, 0, "a", 0.5, 0.0, engine),
-        WorkerSpec("prefill-1", Role.PREFILL, 1, "b", 0.5, 0.0, engine),
-        WorkerSpec("decode-0", Role.DECODE, 0, "a", 0.5, 0.0, engine),
-        WorkerSpec("decode-1", Role.DECODE, 1, "b", 0.5, 0.0, engine),
+        WorkerSpec("prefill-0", Role.PREFILL, 0, "a", 0.5, 0.0, engine, None, 0.3),
+        WorkerSpec("prefill-1", Role.PREFILL, 1, "b", 0.5, 0.0, engine, None, 0.3),
+        WorkerSpec("decode-0", Role.DECODE, 0, "a", 0.5, 0.0, engine, None, 0.3),
+        WorkerSpec("decode-1", Role.DECODE, 1, "b", 0.5, 0.0, engine, None, 0.3),
     ]
+    assert all(sizes_itself(w.engine) for w in topology.workers())
+    assert topology.retry.deadline_s is None
+    assert topology.router.admission.max_queued == 1024
     assert topology.model.path is None
     assert topology.model.name == "demo-tiny-llama"
     assert topology.resolved_transport(workers_have_cuda=False) == Transport.GRPC

