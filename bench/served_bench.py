@@ -220,8 +220,11 @@ def plot(summary: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     width = 0.8 / len(servers)
     for k, (metric, title) in enumerate(
-        [("out_tok_s", "output tokens/s"), ("ttft_p50_ms", "TTFT p50 (ms)"),
-         ("tpot_p50_ms", "TPOT p50 (ms)")]  # fmt: skip
+        [
+            ("out_tok_s", "output tokens/s"),
+            ("ttft_p50_ms", "TTFT p50 (ms)"),
+            ("tpot_p50_ms", "TPOT p50 (ms)"),
+        ]  # fmt: skip
     ):
         ax = axes[k]
         for j, server in enumerate(servers):
