@@ -120,7 +120,7 @@ class PoolSpec(_Section):
         "KV cache is sized from it, else no reservation",
     )
     kv_memory_fraction: float = Field(
-        0.3,
+        0.5,
         gt=0,
         lt=1,
         description="share of a worker's memory, once the model's weights are loaded, that "
@@ -168,7 +168,7 @@ class WorkerSpec:
     num_gpus: float
     engine: EngineConfig
     memory_bytes: int | None = None  # what Ray reserves for it (tandem/sizing.py)
-    kv_memory_fraction: float = 0.3
+    kv_memory_fraction: float = 0.5
 
 
 class Topology(_Section):

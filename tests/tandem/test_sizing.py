@@ -41,7 +41,7 @@ def test_left_out_kv_is_a_fraction_of_the_memory_share_and_slots_follow(test_lla
     prefill, decode0, decode1 = sized_workers(topo, test_llama, cluster_memory=3 * GiB + 2)
     assert prefill.memory_bytes == decode0.memory_bytes == decode1.memory_bytes == GiB
     context_bytes = model.max_position_embeddings * model.kv_bytes_per_token  # whole blocks
-    kv = int(0.3 * (GiB - weights))
+    kv = int(0.5 * (GiB - weights))
     seqs = min(MAX_AUTO_SEQS, kv // context_bytes)
     assert prefill.engine == EngineConfig(
         kv_cache_bytes=min(kv, seqs * context_bytes),

@@ -48,10 +48,10 @@ def test_local_yaml_places_exactly() -> None:
     topology = load_topology(TOPOLOGIES / "local.yaml")
     engine = EngineConfig(num_threads=1)  # KV and slots left to be sized from the machine
     assert topology.workers() == [
-        WorkerSpec("prefill-0", Role.PREFILL, 0, "a", 0.5, 0.0, engine, None, 0.3),
-        WorkerSpec("prefill-1", Role.PREFILL, 1, "b", 0.5, 0.0, engine, None, 0.3),
-        WorkerSpec("decode-0", Role.DECODE, 0, "a", 0.5, 0.0, engine, None, 0.3),
-        WorkerSpec("decode-1", Role.DECODE, 1, "b", 0.5, 0.0, engine, None, 0.3),
+        WorkerSpec("prefill-0", Role.PREFILL, 0, "a", 0.5, 0.0, engine, None, 0.5),
+        WorkerSpec("prefill-1", Role.PREFILL, 1, "b", 0.5, 0.0, engine, None, 0.5),
+        WorkerSpec("decode-0", Role.DECODE, 0, "a", 0.5, 0.0, engine, None, 0.5),
+        WorkerSpec("decode-1", Role.DECODE, 1, "b", 0.5, 0.0, engine, None, 0.5),
     ]
     assert all(sizes_itself(w.engine) for w in topology.workers())
     assert topology.retry.deadline_s is None
