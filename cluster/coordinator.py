@@ -376,8 +376,8 @@ class Coordinator:
                 raise
             except RayActorError as exc:
                 raise AttemptFailed(f"{worker} died: {type(exc).__name__}", worker, True) from exc
-            except Exception as exc:  # the attempt failed there (transfer, injected fault)
-                raise _failure(exc, worker) from exc
+            except Exception as exc:  # the attempt failed there (transfer, injected fault), or
+                raise _failure(exc, worker) from exc  # its stream broke
             delta = stream.accept(batch, worker)
             if delta is not None:
                 yield delta

@@ -25,7 +25,6 @@ from collections import deque
 from collections.abc import Callable
 
 import ray
-from ray.exceptions import RayActorError
 
 from contracts.actors import WorkerClient
 from contracts.messages import Delivery, TokenBatch
@@ -113,8 +112,8 @@ class Hub:
                         inbox = self.inboxes.get(attempt_id)
                         if inbox is not None:  # else: a late message of a closed attempt
                             inbox.put(items)
-            except RayActorError as exc:
-                logger.warning("token stream of %s failed: %s", self.name, type(exc).__name__)
+            except Exception as exc:  # its death (RayActorError), or the stream broke
+                logger.warning("token stream of %s failed: %r", self.name, exc)
                 self.fail(exc)
                 self.inboxes.clear()
                 await asyncio.sleep(0.1)  # Ray restarts it; new attempts subscribe again

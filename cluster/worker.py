@@ -256,8 +256,14 @@ class EngineWorker:
     async def subscribe(self, consumer: str) -> AsyncGenerator[list[Delivery], None]:
         """The token stream to coordinator ``consumer``: a message whenever some of its
         attempts here have news. Ends (closed, cancelled, its caller gone): every attempt of
-        ``consumer`` here is stopped, as nobody reads it any more."""
-        outbox = self._outbox(consumer)
+        ``consumer`` here is stopped, as nobody reads it any more. A new stream for the same
+        consumer (it lost the old one) takes over, with what the old one had not sent."""
+        outbox = Outbox()
+        old = self._outboxes.get(consumer)
+        self._outboxes[consumer] = outbox
+        for attempt_id, items in old.take() if old is not None else []:
+            for item in items:
+                outbox.put(attempt_id, item)
         try:
             while True:
                 await outbox.ready.wait()
@@ -267,11 +273,11 @@ class EngineWorker:
                     await asyncio.sleep(0)
                 yield outbox.take()
         finally:
-            if self._outboxes.get(consumer) is outbox:
+            if self._outboxes.get(consumer) is outbox:  # not taken over: its reader is gone
                 del self._outboxes[consumer]
-            for served in list(self._served.values()):
-                if served.consumer == consumer and served.task is not None:
-                    served.task.cancel()
+                for served in list(self._served.values()):
+                    if served.consumer == consumer and served.task is not None:
+                        served.task.cancel()
 
     async def start_generate(self, attempt: Attempt, consumer: str) -> None:
         """Serve ``attempt`` whole here (colocated, or a decode worker's local prefill); its

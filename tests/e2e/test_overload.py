@@ -65,11 +65,6 @@ def engine(test_llama: Path) -> LLMEngine:
     return LLMEngine.from_checkpoint(test_llama, EngineConfig(**ENGINE), model_id=MODEL)
 
 
-@pytest.fixture(scope="module")
-def tok(test_llama: Path) -> Tokenizer:
-    return Tokenizer(test_llama)
-
-
 def queue_stats() -> tuple[int, int]:
     """(waiting now, the most that ever waited) in the router's admission queue."""
     router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
@@ -144,7 +139,7 @@ def wait_until(predicate: Any, timeout_s: float = 60.0) -> None:
 
 
 def test_three_times_the_batch_slots_all_complete_and_equal_the_engine(
-    server: str, engine: LLMEngine, tok: Tokenizer
+    server: str, engine: LLMEngine, demo_tok: Tokenizer
 ) -> None:
     """3x the batch slots at once: every stream gets exactly max_tokens tokens, its text is the
     engine's, none saw an error; some had to wait in the queue, which never passed its bound."""
@@ -175,7 +170,7 @@ def test_three_times_the_batch_slots_all_complete_and_equal_the_engine(
         results = list(pool.map(stream, prompts))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for prompt, (text, finish, tokens) in zip(prompts, results, strict=True):
-        [[want]] = engine.generate([tok.encode(prompt)], params)
+        [[want]] = engine.generate([demo_tok.encode(prompt)], params)
         assert (text, finish, tokens) == (want.text, "length", max_tokens), prompt
     waiting, deepest = queue_stats()
     assert waiting == 0 and 0 < deepest <= BOUND
