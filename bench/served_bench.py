@@ -19,7 +19,8 @@ prompts for every server (fixed seed). Per run:
 - output tokens/s (every token received / the run's duration), TTFT and TPOT p50/p99 (the
   client's: arrival = when it sends; TPOT per request, (last - first) / (n - 1));
 - **offline**: Tandem's engine alone, in this process, on the same workload shape (the
-  colocated topology's engine limits, all cores): served / offline is what serving costs.
+  colocated topology's engine limits, all cores), once per round: served / offline (the
+  median of those) is what serving costs.
 
 Prints a table of every run, writes ``bench/results/served_bench.json`` and ``.png``.
 """
@@ -31,6 +32,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -232,8 +234,6 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def medians(rows: list[dict[str, Any]], offline_tok_s: dict[int, float]) -> list[dict]:
     """Per server and workload: the median over rounds, and served / offline."""
-    import statistics
-
     keys = sorted({(r["server"], r["requests"], r["rate"]) for r in rows}, key=str)
     out = []
     for server, n, rate in keys:
@@ -299,13 +299,13 @@ def main() -> None:
     logs = args.out.parent / f"{args.out.name}-logs"
     logs.mkdir(exist_ok=True)
 
-    offline_tok_s = {}
-    for n in sorted(set(args.requests)):
-        offline_tok_s[n] = offline(model, n, args)
-        log(f"offline engine, {n} requests: {offline_tok_s[n]:.1f} output tokens/s")
+    offline_runs: dict[int, list[float]] = {n: [] for n in sorted(set(args.requests))}
     rows: list[dict[str, Any]] = []
     starts: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
+        for n, runs in offline_runs.items():  # each round: the machine drifts
+            runs.append(offline(model, n, args))
+            log(f"round {rnd}: offline engine, {n} requests: {runs[-1]:.1f} output tokens/s")
         order = args.servers if rnd % 2 == 0 else list(reversed(args.servers))
         for name in order:
             server = Server(name, model, args, logs)
@@ -322,6 +322,7 @@ def main() -> None:
                             f"{row['out_tok_s']:.1f} tok/s")  # fmt: skip
             finally:
                 server.stop()
+    offline_tok_s = {n: statistics.median(runs) for n, runs in offline_runs.items()}
     summary = medians(rows, offline_tok_s)
     print(table(rows))
     print()
@@ -339,6 +340,7 @@ def main() -> None:
     doc = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "offline_tok_s": offline_tok_s,
+        "offline_runs": offline_runs,
         "starts": starts,
         "runs": rows,
         "summary": summary,
