@@ -155,6 +155,8 @@ class Service:
             self.metrics.set_worker(
                 s.name, s.kv_usage, s.queue_depth, s.num_running, s.prefix_hit_ratio
             )
+        waiting, _ = await self.router.queue_stats()
+        self.metrics.admission_queue.set(waiting)
         text, content_type = self.metrics.render()
         return Response(text, media_type=content_type)
 

@@ -202,6 +202,11 @@ class Metrics:
             ["worker"],
             registry=r,
         )
+        self.admission_queue = Gauge(
+            "tandem_admission_queue_depth",
+            "Requests waiting in the router's admission queue for a prefill/decode path.",
+            registry=r,
+        )
         self.stream_errors = Counter(
             "tandem_stream_errors_total",
             "Streams that ended with an error event after their first token, by cause.",

@@ -474,6 +474,30 @@ def test_a_request_past_its_timeout_gets_a_typed_error(server: str) -> None:
     workers_idle()
 
 
+def test_timeouts_come_from_the_header_or_the_body_and_only_shorten_the_servers(
+    server: str,
+) -> None:
+    """This server's topology sets retry.deadline_s = 60: a client may ask for less (header or
+    body field; the shorter wins), never more, and only for a positive number of seconds."""
+    body = {"model": MODEL, "prompt": "slow", "max_tokens": 3000, "ignore_eos": True}
+    for headers, extra, param in [
+        ({"X-Request-Timeout": "soon"}, {}, "X-Request-Timeout"),
+        ({"X-Request-Timeout": "-1"}, {}, "X-Request-Timeout"),
+        ({"X-Request-Timeout": "61"}, {}, "X-Request-Timeout"),
+        ({}, {"timeout": 61.0}, "timeout"),
+        ({}, {"timeout": 0}, "timeout"),
+    ]:
+        error = assert_error(post(server, {**body, **extra}, headers=headers), 400, param)
+        assert error["code"] in ("invalid_timeout", None), error
+    started = time.time()
+    r = post(server, {**body, "timeout": 30.0}, headers={"X-Request-Timeout": "0.5"})
+    assert assert_error(r, 504)["code"] == "timeout"
+    assert time.time() - started < 10
+    r = post(server, {**body, "timeout": 0.5}, headers={"X-Request-Timeout": "30"})
+    assert assert_error(r, 504)["code"] == "timeout"
+    workers_idle()
+
+
 def test_health_models_and_metrics(server: str, client: openai.OpenAI) -> None:
     assert requests.get(f"{server}/health", timeout=10).status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]

@@ -80,7 +80,9 @@ def metric(server: str, name: str, **labels: str) -> float:
     """The sum of ``name``'s samples whose labels include ``labels``."""
     total = 0.0
     for line in requests.get(f"{server}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+        if line.startswith((name + "{", name + " ")) and all(
+            f'{k}="{v}"' in line for k, v in labels.items()
+        ):
             total += float(line.split()[-1])
     return total
 
@@ -186,6 +188,7 @@ def test_past_the_queue_bound_the_excess_gets_429_and_a_client_that_retries_succ
     which honours Retry-After, gets through once the queue has room."""
     holders = Holders(server, SLOTS + BOUND, "bound")
     wait_until(lambda: queue_stats()[0] == BOUND)
+    assert metric(server, "tandem_admission_queue_depth") == BOUND
     refused = requests.post(
         f"{server}/v1/completions", json=long_body("excess", 4), stream=True, timeout=30
     )
