@@ -151,3 +151,35 @@ def test_a_request_no_decode_worker_has_room_for_ends_as_a_capacity_rejection(
 
     with launch(SMALL_DECODE, test_llama) as c:
         run(body(c))
+
+
+SIZED = """
+model: {{path: {path}, name: test-llama}}
+pools:
+  colocated: {{replicas: 1, num_cpus: 0.5, memory_bytes: 134217728, kv_memory_fraction: 0.25}}
+"""
+
+
+def test_a_pool_without_kv_limits_is_sized_from_the_memory_ray_gives_it(
+    ray_session: None, test_llama: Path
+) -> None:
+    """The worker Ray starts has the KV blocks and batch slots sizing computed for its memory
+    (128 MiB here, reserved as Ray's `memory` resource), and serves with them."""
+    import ray
+
+    from engine.loader import read_model_config
+    from tandem.launch import sized_workers
+
+    topology = Topology.from_yaml_text(SIZED.format(path=test_llama))
+    [spec] = sized_workers(topology, test_llama, ray.cluster_resources()["memory"])
+    model, _ = read_model_config(test_llama)
+    free = ray.available_resources().get("memory", 0.0)
+    with launch(SIZED, test_llama) as c:
+        info = c.infos["colocated-0"]
+        block_bytes = 16 * model.kv_bytes_per_token
+        assert info.num_kv_blocks == spec.engine.kv_cache_bytes // block_bytes > 0
+        assert info.max_num_seqs == spec.engine.max_num_seqs > 1
+        assert free - ray.available_resources().get("memory", 0.0) == 128 * 2**20  # reserved
+        tokens = run(collect(c, prompt(12, 1), GREEDY))
+        assert len(tokens) == GREEDY.max_tokens
+        run(assert_clean(c))
