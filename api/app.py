@@ -234,7 +234,7 @@ class Service:
         (``retry.deadline_s``; none unless set), which the ``X-Request-Timeout`` header or
         the body's ``timeout`` may shorten, never lengthen (the shorter of the two wins)."""
         limit = self.request_timeout_s
-        asked: list[float] = [] if field is None else [field]
+        asked: dict[str, float] = {} if field is None else {"timeout": field}
         if header is not None:
             try:
                 value = float(header)
@@ -247,8 +247,8 @@ class Service:
                     param=TIMEOUT_HEADER,
                     code="invalid_timeout",
                 )
-            asked.append(value)
-        for value, param in zip(asked, ["timeout", TIMEOUT_HEADER], strict=False):
+            asked[TIMEOUT_HEADER] = value
+        for param, value in asked.items():
             if limit is not None and value > limit:
                 raise APIError(
                     400,
@@ -256,7 +256,7 @@ class Service:
                     param=param,
                     code="invalid_timeout",
                 )
-        return min(asked) if asked else limit
+        return min(asked.values(), default=limit)
 
     def _parse(
         self, body: bytes, kind: str, tenant: str, arrival: float, headers: Mapping[str, str]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,14 +32,18 @@ def _wait_actors_gone(names: list[str], timeout_s: float = 60.0) -> None:
 
 
 def _wait_port_free(port: int, timeout_s: float = 60.0) -> None:
+    """Until nothing listens on ``port`` (bound as uvicorn binds, SO_REUSEADDR: the closed
+    connections the old replica left in TIME_WAIT do not count)."""
     until = time.time() + timeout_s
     while True:
-        try:
-            free_port("127.0.0.1", port)
-            return
-        except ValueError:
-            assert time.time() < until, f"port {port} still in use"
-            time.sleep(0.1)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                assert time.time() < until, f"port {port} still in use"
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
