@@ -18,15 +18,17 @@ could not recover or its deadline: an error event, counted in
 ``tandem_stream_errors_total{cause}`` and logged.
 
 Backpressure: when the SSE generator is not pulled, the choices' tasks block on the bounded
-queue, stop pulling the coordinator, the worker's Ray stream stops after a few batches
-(``_generator_backpressure_num_objects``) and the engine pauses the request (BACKPRESSURED) once
-its own bounded buffer fills. The generator stops being pulled when the client stops reading
-only where the replica answers HTTP itself (direct ingress, as ``tandem serve`` runs it: the
-ASGI ``send`` waits on the socket). Behind Serve's proxy the replica's ``send`` never blocks (a
-deque drained into a Ray stream with no backpressure), so there a slow reader's chunks wait in
-the proxy -- at most ``max_tokens`` of them.
-A client that disconnects cancels the SSE generator, which cancels its choices, which cancel
-their attempts on the workers: the KV is freed within a scheduler tick.
+queue and stop pulling the coordinator; the attempt's inbox fills and asks its worker to pause
+it (``pace``), and the engine pauses the request (BACKPRESSURED) once its own bounded buffer
+fills. The generator stops being pulled when the client stops reading only where the replica
+answers HTTP itself (direct ingress, as ``tandem serve`` runs it: the ASGI ``send`` waits on the
+socket). Behind Serve's proxy the replica's ``send`` never blocks (a deque drained into a Ray
+stream with no backpressure), so there a slow reader's chunks wait in the proxy -- at most
+``max_tokens`` of them.
+
+A client that disconnects cancels the SSE generator (before the first token: the wait for it),
+which cancels its choices, which leave the router's queue or cancel their attempts on the
+workers: the KV is freed within a scheduler tick.
 """
 
 from __future__ import annotations
