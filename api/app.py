@@ -4,7 +4,8 @@ check the context limit, run each choice through the cluster's coordinator, answ
 ::
 
     body ──> IngressGate.admit (413 / 401 / 429: nothing tokenised yet, phase 1)
-         ──> protocol.parse_* (400 naming the field) ──> tokenise ──> context limit (400)
+         ──> Content-Type (415) ──> protocol.parse_* (400 naming the field) ──> model (404)
+         ──> choices over max_choices (400) ──> tokenise ──> context limit (400)
          ──> one Coordinator.generate per choice (phase 2: the router's admission queue
              secures each attempt's prefill slot and decode slot + KV, or refuses it:
              429 / 503 + Retry-After, 504 when its deadline passes while it waits)
@@ -45,6 +46,7 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from api import protocol
 from api.gate import IngressGate, Rejected, Ticket
@@ -55,7 +57,13 @@ from cluster.coordinator import ClientRecord, Coordinator
 from cluster.retry import GiveUp, RetriesExhausted
 from contracts.actors import RouterClient, WorkerClient
 from contracts.messages import RequestSpec
-from contracts.routing import AdmissionRefused, Refusal
+from contracts.roles import Role
+from contracts.routing import (
+    UNAVAILABLE_RETRY_AFTER_S,
+    AdmissionRefused,
+    Refusal,
+    WorkerState,
+)
 from engine.request import FinishReason, RequestStatus
 from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
@@ -138,27 +146,72 @@ class Service:
         return JSONResponse(protocol.models_response([self.model_name]))
 
     async def health(self) -> Response:
+        """200 ``ok`` at full capacity, 200 ``degraded`` with less (which workers are down,
+        the share of serving slots left), 503 ``unavailable`` when nothing can serve a
+        request now (the router restarting, or no decode/colocated worker up)."""
         try:
-            await self.check_ready()
-        except RuntimeError as exc:
-            return JSONResponse({"status": "unavailable", "reason": str(exc)}, status_code=503)
-        return JSONResponse({"status": "ok"})
+            states = await self._worker_states()
+        except RouterUnavailable as exc:
+            body = {"status": "unavailable", "reason": str(exc)}
+            return JSONResponse(body, status_code=503, headers=_RETRY_SOON)
+        body = health_body(states)
+        status = 503 if body["status"] == "unavailable" else 200
+        return JSONResponse(
+            body, status_code=status, headers=_RETRY_SOON if status == 503 else None
+        )
 
-    async def check_ready(self) -> None:
-        """Raises RuntimeError unless the router sees a replica that can serve."""
-        states = await self.router.worker_states()
-        healthy = {s.role.value for s in states if s.healthy}
-        if not ({"prefill", "decode"} <= healthy or "colocated" in healthy or "decode" in healthy):
-            raise RuntimeError(f"no healthy serving replica (healthy roles: {sorted(healthy)})")
+    async def check_alive(self) -> None:
+        """Serve's replica health check: raises only when this replica is broken -- its
+        router is gone for good (a new replica would start one). Dependencies restarting
+        (the router, workers) make it degraded, not broken: Serve keeps the replica."""
+        try:
+            await asyncio.wait_for(self.router.key(), ROUTER_CALL_TIMEOUT_S)
+        except ActorDiedError:
+            raise
+        except (ActorUnavailableError, TimeoutError):
+            logger.info("health check: the router is restarting")
+
+    async def cluster(self) -> Response:
+        """The router's view, for operators (``GET /v1/cluster``, ``tandem status``)."""
+        try:
+            states = await self._worker_states()
+            waiting, deepest = await asyncio.wait_for(
+                self.router.queue_stats(), ROUTER_CALL_TIMEOUT_S
+            )
+        except (RouterUnavailable, ActorUnavailableError, TimeoutError) as exc:
+            err = APIError(503, f"the router's view is unavailable: {exc}", code="unavailable")
+            return JSONResponse(err.body(), status_code=503, headers=_RETRY_SOON)
+        return JSONResponse(
+            {
+                "status": health_body(states)["status"],
+                "workers": [worker_view(s) for s in states],
+                "admission_queue": {"waiting": waiting, "most_waiting": deepest},
+                "retry_budget_tokens": self.coordinator.budget.tokens,
+            }
+        )
+
+    async def _worker_states(self) -> list[WorkerState]:
+        try:
+            return await asyncio.wait_for(self.router.worker_states(), ROUTER_CALL_TIMEOUT_S)
+        except (RayActorError, TimeoutError) as exc:
+            raise RouterUnavailable(f"the router is not answering ({type(exc).__name__})") from exc
 
     async def metrics_response(self) -> Response:
+        """The ingress's own metrics always; the workers' gauges as the router last saw them
+        (left as they were while the router does not answer)."""
         await self._collect_transfers()
-        for s in await self.router.worker_states():
-            self.metrics.set_worker(
-                s.name, s.kv_usage, s.queue_depth, s.num_running, s.prefix_hit_ratio
-            )
-        waiting, _ = await self.router.queue_stats()
-        self.metrics.admission_queue.set(waiting)
+        self.metrics.retry_budget.set(self.coordinator.budget.tokens)
+        with contextlib.suppress(RouterUnavailable, ActorUnavailableError, TimeoutError):
+            for s in await self._worker_states():
+                if s.healthy:
+                    self.metrics.set_worker(
+                        s.name, s.kv_usage, s.queue_depth, s.num_running, s.prefix_hit_ratio
+                    )
+                else:
+                    self.metrics.worker_down(s.name)
+            stats = asyncio.wait_for(self.router.queue_stats(), ROUTER_CALL_TIMEOUT_S)
+            waiting, _ = await stats
+            self.metrics.admission_queue.set(waiting)
         text, content_type = self.metrics.render()
         return Response(text, media_type=content_type)
 
@@ -234,7 +287,8 @@ class Service:
     def _timeout(self, header: str | None, field: float | None) -> float | None:
         """The request's timeout in seconds (None: no deadline): the topology's default
         (``retry.deadline_s``; none unless set), which the ``X-Request-Timeout`` header or
-        the body's ``timeout`` may shorten, never lengthen (the shorter of the two wins)."""
+        the body's ``timeout`` may shorten, never lengthen (the shorter of the two wins), nor
+        set past ``protocol.MAX_TIMEOUT_S``."""
         limit = self.request_timeout_s
         asked: dict[str, float] = {} if field is None else {"timeout": field}
         if header is not None:
@@ -250,11 +304,12 @@ class Service:
                     code="invalid_timeout",
                 )
             asked[TIMEOUT_HEADER] = value
+        cap = min(math.inf if limit is None else limit, protocol.MAX_TIMEOUT_S)
         for param, value in asked.items():
-            if limit is not None and value > limit:
+            if value > cap:
                 raise APIError(
                     400,
-                    f"{param}: {value:g} s is longer than this server's limit of {limit:g} s",
+                    f"{param}: {value:g} s is longer than this server's limit of {cap:g} s",
                     param=param,
                     code="invalid_timeout",
                 )
@@ -263,13 +318,17 @@ class Service:
     def _parse(
         self, body: bytes, kind: str, tenant: str, arrival: float, headers: Mapping[str, str]
     ) -> _Job:
+        protocol.check_content_type(headers.get("content-type"))
+        max_choices = self.gate.config.max_choices
         if kind == "chat":
             req: Any = protocol.parse_chat(body)
             protocol.check_model(req.model, [self.model_name])
+            protocol.check_choices(1, req.n, max_choices)
             prompts = [protocol.chat_prompt(req, self.tokenizer)]
         else:
             req = protocol.parse_completion(body)
             protocol.check_model(req.model, [self.model_name])
+            protocol.check_choices(len(req.prompt), req.n, max_choices)
             prompts = protocol.completion_prompts(req, self.tokenizer)
         timeout_s = self._timeout(headers.get(TIMEOUT_HEADER), req.timeout)
         longest = max(len(p) for p in prompts)
@@ -515,8 +574,51 @@ _REFUSAL_STATUS = {
     Refusal.QUEUE_FULL: 429,
     Refusal.WAIT_EXCEEDS_DEADLINE: 503,
     Refusal.DEADLINE_PASSED: 504,
+    Refusal.UNAVAILABLE: 503,
 }
 REFUSALS = frozenset({"kv_capacity", *(r.value for r in Refusal)})
+
+
+class RouterUnavailable(RuntimeError):
+    """The router actor did not answer (it restarts, or is gone)."""
+
+
+ROUTER_CALL_TIMEOUT_S = 2.0  # an operator's view waits no longer for a restarting router
+_RETRY_SOON = {"Retry-After": str(int(UNAVAILABLE_RETRY_AFTER_S))}
+_SERVING_ROLES = (Role.DECODE, Role.COLOCATED)  # where requests are decoded
+
+
+def health_body(states: list[WorkerState]) -> dict[str, Any]:
+    """``/health``'s body from the router's view: ``ok`` (every worker up), ``degraded``
+    (some down: which, and the share of decode slots left) or ``unavailable`` (no worker that
+    decodes is up)."""
+    down = sorted(s.name for s in states if not s.healthy)
+    serving = [s for s in states if s.role in _SERVING_ROLES]
+    slots = sum(s.max_num_seqs for s in serving)
+    up_slots = sum(s.max_num_seqs for s in serving if s.healthy)
+    capacity = up_slots / slots if slots else 0.0
+    status = "ok" if not down else "degraded" if up_slots else "unavailable"
+    body: dict[str, Any] = {"status": status, "workers": len(states), "down": down}
+    body["capacity"] = round(capacity, 4)
+    return body
+
+
+def worker_view(s: WorkerState) -> dict[str, Any]:
+    """One worker in ``/v1/cluster``."""
+    state = "up" if s.healthy else "failed" if s.failed else "starting"
+    return {
+        "name": s.name,
+        "role": s.role.value,
+        "domain": s.domain,
+        "state": state,
+        "queue_depth": s.queue_depth,
+        "running": s.num_running,
+        "max_num_seqs": s.max_num_seqs,
+        "kv_usage": s.kv_usage,
+        "kv_blocks": s.num_kv_blocks,
+        "cached_blocks": s.cached_blocks,
+        "prefix_hit_ratio": s.prefix_hit_ratio,
+    }
 
 
 class _ClientLeft(Exception):
@@ -566,7 +668,9 @@ def _api_error(exc: BaseException) -> APIError:
             return APIError(504, f"request timed out: {exc}", code="timeout")
         if exc.rejected:  # phase 2: no replica had KV room for it
             return APIError(503, f"no capacity for the request: {exc}", code="kv_capacity")
-        return APIError(503, f"request failed: {exc}", code="failed")
+        return APIError(
+            503, f"request failed: {exc}", code="failed", retry_after_s=UNAVAILABLE_RETRY_AFTER_S
+        )
     if isinstance(exc, ValueError):
         return APIError(400, str(exc), code="invalid_request")
     logger.exception("request failed", exc_info=exc)

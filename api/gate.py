@@ -63,14 +63,24 @@ class TenantQuota(_Section):
 
 
 class GateConfig(_Section):
-    """The ``serve:`` section's admission part. Its errors never show input values, which
-    could be API keys; the field path names what was wrong."""
+    """The ``serve:`` section's admission part: how large a request may be and who may send
+    it. Its errors never show input values, which could be API keys; the field path names what
+    was wrong."""
 
     model_config = ConfigDict(
         frozen=True, extra="forbid", allow_inf_nan=False, hide_input_in_errors=True
     )
 
     max_body_bytes: int = Field(2**20, ge=1, description="largest request body accepted")
+    max_choices: int = Field(
+        64,
+        ge=1,
+        description="most choices one request may ask for: its prompts x n, each one request "
+        "to the cluster (an admission-queue place, a prefill, a decode); checked once the body "
+        "is parsed, before tokenising (400 naming prompt, or n). 64: 4 prompts at the largest "
+        "n, and a small part of the admission queue (router.admission.max_queued), so one HTTP "
+        "request cannot fill it",
+    )
     api_keys: dict[str, str] = Field(
         default_factory=dict,
         description="API key -> tenant name; empty = auth off, every request is tenant "

@@ -15,6 +15,7 @@ Each ``Metrics`` owns its registry, so several apps or tests in one process neve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -202,6 +203,19 @@ class Metrics:
             ["worker"],
             registry=r,
         )
+        self.worker_up = Gauge(
+            "tandem_worker_up",
+            "1 while the router counts the worker as serving, 0 while it is down (FAILED, "
+            "restarting, not reported yet); a down worker's load gauges are not exported.",
+            ["worker"],
+            registry=r,
+        )
+        self.retry_budget = Gauge(
+            "tandem_retry_budget_tokens",
+            "Retries this ingress may still start before a request's first token (the token "
+            "bucket of the retry section; the migration of a started stream spends none).",
+            registry=r,
+        )
         self.admission_queue = Gauge(
             "tandem_admission_queue_depth",
             "Requests waiting in the router's admission queue for a prefill/decode path.",
@@ -265,10 +279,18 @@ class Metrics:
         for field, count in (("queue_depth", queue_depth), ("running", running)):
             if count < 0:
                 raise InvalidMetric(f"worker {name!r}: {field} {count} is negative")
+        self.worker_up.labels(worker=name).set(1)
         self.kv_usage.labels(worker=name).set(kv_usage)
         self.queue_depth.labels(worker=name).set(queue_depth)
         self.running.labels(worker=name).set(running)
         self.prefix_hit.labels(worker=name).set(prefix_hit_ratio)
+
+    def worker_down(self, name: str) -> None:
+        """``name`` is not serving: up 0, and its last load is not exported as if current."""
+        self.worker_up.labels(worker=name).set(0)
+        for gauge in (self.kv_usage, self.queue_depth, self.running, self.prefix_hit):
+            with contextlib.suppress(KeyError):  # never exported, or dropped already
+                gauge.remove(name)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for a ``/metrics`` response."""

@@ -31,13 +31,14 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -50,6 +51,9 @@ from engine.tokenizer import Tokenizer
 MAX_N = 16
 MAX_STOP = 4
 MAX_LOGPROBS = 20
+# The longest timeout a request may ask for (seconds): a deadline further away is as good as
+# none, and one past threading.TIMEOUT_MAX would overflow an engine's wait.
+MAX_TIMEOUT_S = 86_400.0
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # A logprob JSON cannot carry (-inf for a token the model gives no mass): vLLM's stand-in.
 _MIN_LOGPROB = -9999.0
@@ -64,6 +68,23 @@ _ERROR_TYPES = {
     503: "service_unavailable_error",
     504: "timeout_error",
 }
+
+
+class ErrorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str = Field(description="what was wrong, and the limit where one was passed")
+    type: str = Field(description="the class of error, e.g. invalid_request_error")
+    param: str | None = Field(description="the offending field's dotted path, or header")
+    code: str | None = Field(description="a stable code a client may branch on")
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: the body of every 4xx and 5xx answer."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: ErrorInfo
 
 
 class APIError(Exception):
@@ -95,14 +116,8 @@ class APIError(Exception):
         return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
     def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
+        info = ErrorInfo(message=self.message, type=self.type, param=self.param, code=self.code)
+        return ErrorResponse(error=info).model_dump()
 
 
 def _bad(param: str | None, message: str) -> APIError:
@@ -124,13 +139,57 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
+# What the before-validators below accept, for the OpenAPI document (the Python types are what
+# they normalise to): schema-driven clients and fuzzers then send every accepted form.
+_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_ID_LIST = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+_TOKEN_IDS = {**_TOKEN_ID_LIST, "minItems": 1}  # a prompt
+_PROMPT_SCHEMA = WithJsonSchema(
+    {
+        "description": "one text, one token id list, or a batch of either (all texts or all "
+        "token id lists); each prompt's choices count towards the server's max_choices",
+        "anyOf": [
+            _TEXT,
+            {"type": "array", "items": _TEXT, "minItems": 1},
+            _TOKEN_IDS,
+            {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+        ],
+    }
+)
+_STOP_SCHEMA = WithJsonSchema(
+    {"anyOf": [_TEXT, {"type": "array", "items": _TEXT, "maxItems": MAX_STOP}, {"type": "null"}]}
+)
+_LOGIT_BIAS = {
+    "type": "object",
+    "propertyNames": {"pattern": "^[0-9]+$"},
+    "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+}
+_CONTENT_SCHEMA = WithJsonSchema(
+    {
+        "anyOf": [
+            {"type": "string"},
+            {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                    "required": ["type", "text"],
+                    "additionalProperties": False,
+                },
+            },
+        ]
+    }
+)
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant"]
-    content: str  # a list of text parts arrives joined with "\n" (vLLM's convention)
+    # a list of text parts arrives joined with "\n" (vLLM's convention)
+    content: Annotated[str, _CONTENT_SCHEMA]
     name: str | None = None
 
     @field_validator("content", mode="before")
@@ -153,17 +212,21 @@ class _SamplingFields(_Strict):
     """The fields both endpoints share: OpenAI's, then the engine's extras."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="at most the context length left after the prompt"
+    )
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: list[str] | None = None
+    stop: Annotated[list[str] | None, _STOP_SCHEMA] = None
     seed: int | None = Field(default=None, ge=_INT64_MIN, le=_INT64_MAX)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[
+        dict[str, float] | None, WithJsonSchema({"anyOf": [_LOGIT_BIAS, {"type": "null"}]})
+    ] = None
     user: str | None = None
     # engine extras
     top_k: int = Field(default=0, ge=-1)  # -1 (vLLM's "off") and 0 both disable
@@ -172,11 +235,15 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: Annotated[
+        list[int] | None, WithJsonSchema({"anyOf": [_TOKEN_ID_LIST, {"type": "null"}]})
+    ] = None
     include_stop_str_in_output: bool = False
     # serving extras
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # lower first, as vLLM's
-    timeout: float | None = Field(default=None, gt=0)  # seconds; as X-Request-Timeout
+    timeout: float | None = Field(  # as X-Request-Timeout
+        default=None, gt=0, le=MAX_TIMEOUT_S, description="seconds until the request's deadline"
+    )
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -226,7 +293,7 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt`` is normalised to a batch: one str or one token list
     becomes a batch of one."""
 
-    prompt: list[str | list[int]]  # all strings or all token lists
+    prompt: Annotated[list[str | list[int]], _PROMPT_SCHEMA]  # all strings or all token lists
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("prompt", mode="before")
@@ -263,7 +330,9 @@ class ChatCompletionRequest(_SamplingFields):
     over the deprecated ``max_tokens`` when both are given."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(
+        default=None, ge=1, description="at most the context length left after the prompt"
+    )
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
@@ -288,6 +357,8 @@ _M = TypeVar("_M", bound=BaseModel)
 
 
 def _parse(model: type[_M], body: bytes) -> _M:
+    if not body.strip():
+        raise APIError(400, "the body is empty: expected a JSON object")
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
@@ -299,10 +370,10 @@ def _api_error(exc: ValidationError) -> APIError:
     err = exc.errors(include_url=False)[0]
     param = ".".join(str(p) for p in err["loc"]) or None
     kind, msg = err["type"], err["msg"].removeprefix("Value error, ")
-    if kind == "json_invalid":
-        return APIError(400, f"the body is not valid JSON: {msg}")
+    if kind == "json_invalid":  # pydantic's message names the line and column
+        return APIError(400, f"the body is not valid JSON: {msg.removeprefix('Invalid JSON: ')}")
     if kind == "model_type" and param is None:
-        return APIError(400, "the body must be a JSON object")
+        return APIError(400, f"the body must be a JSON object, not {_json_kind(err['input'])}")
     if kind == "extra_forbidden":
         return _bad(param, f"unknown field {param!r}: this server does not support it")
     if kind == "missing":
@@ -312,6 +383,11 @@ def _api_error(exc: ValidationError) -> APIError:
         return _bad(cause.field, f"{cause.field!r}: {msg}")
     value = _short(err.get("input"))
     return _bad(param, f"invalid value for {param!r} ({value}): {msg}")
+
+
+def _json_kind(value: Any) -> str:
+    kinds = {list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
+    return kinds.get(type(value), "a number")
 
 
 def _short(value: Any) -> str:
@@ -327,6 +403,42 @@ def check_model(model: str, served: Sequence[str]) -> None:
             f"the model {model!r} does not exist; this server serves {list(served)}",
             param="model",
             code="model_not_found",
+        )
+
+
+JSON_MEDIA_TYPE = "application/json"
+
+
+def check_content_type(content_type: str | None) -> None:
+    """Raises: APIError(415) when the body is declared as anything but JSON (parameters such
+    as ``charset`` aside). A body with no Content-Type is read as JSON (RFC 9110 lets the
+    recipient look; vLLM refuses it): clients that send none, such as ``http.client`` or
+    ``requests``' ``data=``, work, and the parser's 400 says what is wrong with a body that
+    is not JSON."""
+    if content_type is None:
+        return
+    if content_type.split(";", 1)[0].strip().lower() != JSON_MEDIA_TYPE:
+        raise APIError(
+            415,
+            f"Content-Type {_short(content_type)} is not supported: send the body as "
+            f"{JSON_MEDIA_TYPE}",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
+
+
+def check_choices(num_prompts: int, n: int, max_choices: int) -> None:
+    """A request runs ``num_prompts * n`` choices, each one request to the cluster.
+
+    Raises: APIError(400, code too_many_choices) over ``max_choices``, naming ``prompt`` when
+    the prompts alone are too many, else ``n``."""
+    if num_prompts * n > max_choices:
+        raise APIError(
+            400,
+            f"the request asks for {num_prompts * n} choices ({num_prompts} prompt(s) x n={n}); "
+            f"this server runs at most {max_choices} per request (max_choices)",
+            param="prompt" if num_prompts > max_choices else "n",
+            code="too_many_choices",
         )
 
 

@@ -345,6 +345,7 @@ async def direct_coordinator(topology: Topology, model_dir: Path) -> tuple[Coord
         {i.name: i for i in infos},
         topology.model.name,
         topology.retry,
+        topology.router.admission.unavailable_wait_s,
     )
     return coordinator, infos[0].vocab_size
 

@@ -45,6 +45,7 @@ from cluster.token_stream import Hub, Inbox
 from contracts.actors import RouterClient, WorkerClient
 from contracts.messages import Attempt, KVPullFailed, KVSource, RequestSpec, TokenBatch, WorkerInfo
 from contracts.routing import (
+    UNAVAILABLE_RETRY_AFTER_S,
     AdmissionRefused,
     Decision,
     NoReplicaAvailable,
@@ -56,7 +57,6 @@ from engine.kv_cache_manager import prefix_hashes
 from engine.request import FinishReason, RecordLog, RequestStatus
 
 logger = logging.getLogger(__name__)
-ROUTER_RESTART_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -149,8 +149,12 @@ class Coordinator:
         infos: dict[str, WorkerInfo],
         model_id: str,
         retry: RetryPolicy,
+        unavailable_wait_s: float,
     ) -> None:
         self.router = router
+        # How long an attempt waits for a router that is not there (it restarts) before its
+        # request is refused: the topology's router.admission.unavailable_wait_s.
+        self.unavailable_wait_s = unavailable_wait_s
         self.workers = workers
         self.infos = infos
         self.model_id = model_id
@@ -201,13 +205,13 @@ class Coordinator:
                     # No room: refused here, or no replica left but those that refused it.
                     no_room = exc.rejected or (exc.no_replica and refused)
                     refused = refused or exc.rejected
-                    if exc.worker is not None:
+                    if exc.worker is not None and exc.dead:
                         info = self.infos.get(exc.worker)
-                        domain = info.domain if info and exc.dead else None
-                        exclusions.failed(exc.worker, domain)
-                        if exc.dead:
-                            await self._report_dead(exc.worker)
-                    why = self.budget.may_retry(attempts, spec.deadline)
+                        exclusions.died(info.domain if info else None)
+                        await self._report_dead(exc.worker)
+                    elif exc.worker is not None:
+                        exclusions.failed(exc.worker)
+                    why = self.budget.may_retry(attempts, spec.deadline, bool(stream.tokens))
                     if why is not None:
                         error = str(exc)
                         if why is GiveUp.DEADLINE:
@@ -297,8 +301,11 @@ class Coordinator:
         """The router's decision, once the attempt's workers have room for it (it waits in the
         router's admission queue meanwhile; leaving, e.g. cancelled, takes it out). While the
         router actor restarts (Ray brings it back, and the workers' resyncs rebuild its view)
-        wait for it, up to the deadline."""
-        give_up = min(deadline or math.inf, time.time() + ROUTER_RESTART_WAIT_S)
+        wait for it -- up to the deadline (then DEADLINE_PASSED) or ``unavailable_wait_s``
+        (then UNAVAILABLE: 503 with Retry-After)."""
+        start = time.time()
+        give_up = min(deadline or math.inf, start + self.unavailable_wait_s)
+        backoff = 0.05
         while True:
             ref = self.router.admit(route)
             try:
@@ -311,10 +318,19 @@ class Coordinator:
             except NoReplicaAvailable as exc:
                 why = getattr(exc, "cause", exc)  # the router's message, not Ray's traceback
                 raise AttemptFailed(f"no replica: {why}", no_replica=True) from exc
-            except RayActorError as exc:
-                if time.time() >= give_up:
-                    raise AttemptFailed(f"router unavailable: {exc}") from exc
-                await asyncio.sleep(0.1)
+            except RayActorError:
+                now = time.time()
+                if now >= give_up:
+                    passed = deadline is not None and now >= deadline
+                    reason = Refusal.DEADLINE_PASSED if passed else Refusal.UNAVAILABLE
+                    raise AdmissionRefused(
+                        route.request_id,
+                        reason,
+                        f"the router was unavailable for {now - start:.1f} s",
+                        retry_after_s=None if passed else UNAVAILABLE_RETRY_AFTER_S,
+                    ) from None
+                await asyncio.sleep(min(backoff, give_up - now))
+                backoff = min(backoff * 2, 0.25)  # back within a beat of the router
 
     def _release(self, attempt_id: str) -> None:
         """Give the attempt's grant back to the router (without waiting for it)."""

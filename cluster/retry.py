@@ -2,9 +2,11 @@
 budget and by the request's deadline, and steered away from what just failed.
 
 The budget is a token bucket shared by every request of one coordinator: each admitted request
-adds ``budget_ratio`` tokens (up to ``budget_burst``), each retry spends one. A failure storm then
-costs at most ``budget_ratio`` extra attempts per request on average instead of multiplying load
-by ``max_attempts`` (the retry-amplification problem).
+adds ``budget_ratio`` tokens (up to ``budget_burst``), each retry before the request's first
+token spends one. A failure storm then costs at most ``budget_ratio`` extra attempts per request
+on average instead of multiplying load by ``max_attempts`` (the retry-amplification problem).
+The migration of a stream that has tokens is not a retry the budget limits: the client is
+mid-answer, and only ``max_attempts`` and the deadline bound it.
 """
 
 from __future__ import annotations
@@ -80,14 +82,22 @@ class RetryBudget:
         self.tokens = min(self.policy.budget_burst, self.tokens + self.policy.budget_ratio)
 
     def may_retry(
-        self, attempts: int, deadline: float | None, now: float | None = None
+        self,
+        attempts: int,
+        deadline: float | None,
+        started: bool = False,
+        now: float | None = None,
     ) -> GiveUp | None:
-        """None when one more attempt is allowed (and spends a budget token), else why not."""
+        """None when one more attempt is allowed, else why not. A retry before the first token
+        spends a budget token; the migration of a ``started`` stream neither needs nor spends
+        one (the budget stops retry storms; it must not strand a client mid-answer)."""
         if attempts >= self.policy.max_attempts:
             return GiveUp.MAX_ATTEMPTS
         now = time.time() if now is None else now
         if deadline is not None and now + self.policy.backoff_s >= deadline:
             return GiveUp.DEADLINE
+        if started:
+            return None
         if self.tokens < 1.0:
             return GiveUp.BUDGET
         self.tokens -= 1.0
@@ -96,13 +106,17 @@ class RetryBudget:
 
 @dataclass
 class Exclusions:
-    """Workers and failure domains a request's next attempt must avoid (never a domain that
-    just failed for the retry, when another one can serve)."""
+    """What a request's next attempt must avoid: workers that failed it (refused it, broke
+    its transfer), and the failure domains where a worker died (a soft preference: the router
+    uses such a domain again when nothing elsewhere is healthy). A dead worker is not excluded
+    by name: the router keeps it out while it is FAILED, and once back it is a new process."""
 
     workers: set[str] = field(default_factory=set)
     domains: set[str] = field(default_factory=set)
 
-    def failed(self, worker: str, domain: str | None) -> None:
+    def failed(self, worker: str) -> None:
         self.workers.add(worker)
+
+    def died(self, domain: str | None) -> None:
         if domain is not None:
             self.domains.add(domain)

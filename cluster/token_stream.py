@@ -98,9 +98,18 @@ class Hub:
             self._call(self.worker.stop(attempt_id))
 
     def fail(self, error: BaseException) -> None:
-        """Every attempt this worker feeds fails with ``error`` (its readers raise it)."""
+        """The worker failed (the router says so): every attempt it feeds fails with ``error``
+        (its readers raise it), and its stream is dropped -- the next attempt here (on its
+        restarted process) subscribes anew, so the old stream's late error cannot reach it."""
+        self._fail_inboxes(error)
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def _fail_inboxes(self, error: BaseException) -> None:
         for inbox in self.inboxes.values():
             inbox.fail(error)
+        self.inboxes.clear()
 
     async def _read(self) -> None:
         while self.inboxes:
@@ -114,8 +123,7 @@ class Hub:
                             inbox.put(items)
             except Exception as exc:  # its death (RayActorError), or the stream broke
                 logger.warning("token stream of %s failed: %r", self.name, exc)
-                self.fail(exc)
-                self.inboxes.clear()
+                self._fail_inboxes(exc)
                 await asyncio.sleep(0.1)  # Ray restarts it; new attempts subscribe again
             finally:
                 ray.cancel(stream)  # a stream its reader left would run on (cancelled: no-op)

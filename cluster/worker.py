@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 import ray
 import torch
+from ray.exceptions import ActorDiedError
 
 from contracts.actors import NAMESPACE, RouterClient, WorkerAPI
 from contracts.faults import FaultPlan, FaultPoint
@@ -128,9 +129,12 @@ class EngineWorker:
         )
         # By name, not handle: a handle among the constructor's arguments would live in the
         # object store, and Ray cannot restart an actor whose arguments were lost.
-        self.router = (
-            None if router is None else RouterClient(ray.get_actor(router, namespace=namespace))
-        )
+        self._router_name = router
+        self._namespace = namespace
+        self.router: RouterClient | None = None
+        self._find_router()
+        if self.router is not None:  # a restart: the router drops what it credited us at once
+            self.router.worker_started(self.name, self.incarnation)
         self.report_interval_s = report_interval_s
         self.faults = FaultPlan()
         self._changed: asyncio.Event | None = None  # created on the actor's loop
@@ -142,6 +146,15 @@ class EngineWorker:
         self._served: dict[str, _Served] = {}  # attempt id -> its task here
 
     # -- lifecycle -----------------------------------------------------------------------------
+
+    def _find_router(self) -> None:
+        """The router actor, by name (None in tests without one, or while none is there)."""
+        if self._router_name is not None:
+            try:
+                handle = ray.get_actor(self._router_name, namespace=self._namespace)
+            except ValueError:  # not (yet) started again under its name
+                return
+            self.router = RouterClient(handle)
 
     def kv_address(self) -> str | None:
         return None
@@ -235,16 +248,25 @@ class EngineWorker:
                 reading = None
             elif loop.time() - reading_since > ENGINE_SILENCE_S:
                 load = None  # a hung engine: fall silent
+            if self.router is None:
+                self._find_router()
             try:
                 if self.router is not None and load is not None:
-                    if await self.router.report(self.info(), load, events):
+                    if await self.router.report(self.info(), load, events, answered > 0):
                         self._resyncs_done = max(self._resyncs_done, answered)
                     else:  # ignored while FAILED: the router's view of us starts over
                         self._resyncs_asked += 1
+            except ActorDiedError:  # gone for good: a new one may take its name
+                logger.warning("%s: the router died; looking it up again", self.name)
+                self._resyncs_asked += 1
+                self._find_router()
             except Exception:  # the router restarting: keep trying, then resynchronise
-                logger.warning("%s: report to the router failed", self.name, exc_info=True)
+                if self._resyncs_asked == self._resyncs_done:  # once per outage, not per try
+                    logger.warning("%s: report to the router failed", self.name, exc_info=True)
                 self._resyncs_asked += 1
             self._changed.clear()
+            if self._resyncs_asked > self._resyncs_done:
+                self._changed.set()  # a router without our view: resync at once, not at the beat
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout=self.report_interval_s * 10)
             except TimeoutError:

@@ -76,7 +76,11 @@ class RouterAPI(Protocol):
     """The router actor (router.actor.RouterActor)."""
 
     async def wait_ready(self, timeout_s: float) -> None: ...
-    async def report(self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent]) -> bool: ...
+    async def key(self) -> str: ...
+    async def report(
+        self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent], resync: bool
+    ) -> bool: ...
+    async def worker_started(self, name: str, incarnation: str) -> None: ...
     async def worker_failed(self, name: str) -> None: ...
     async def watch_health(self, version: int, timeout_s: float) -> tuple[int, dict[str, bool]]: ...
     async def admit(self, request: RouteRequest) -> Decision: ...
@@ -153,8 +157,16 @@ class RouterClient:
     def wait_ready(self, timeout_s: float) -> ObjectRef[None]:
         return self.handle.wait_ready.remote(timeout_s)
 
-    def report(self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent]) -> ObjectRef[bool]:
-        return self.handle.report.remote(info, load, events)
+    def key(self) -> ObjectRef[str]:
+        return self.handle.key.remote()
+
+    def report(
+        self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent], resync: bool
+    ) -> ObjectRef[bool]:
+        return self.handle.report.remote(info, load, events, resync)
+
+    def worker_started(self, name: str, incarnation: str) -> ObjectRef[None]:
+        return self.handle.worker_started.remote(name, incarnation)
 
     def worker_failed(self, name: str) -> ObjectRef[None]:
         return self.handle.worker_failed.remote(name)

@@ -25,6 +25,12 @@ class Refusal(StrEnum):
     QUEUE_FULL = "queue_full"  # the admission queue holds its bound already (429)
     WAIT_EXCEEDS_DEADLINE = "queue_wait_exceeds_deadline"  # predicted wait > time left (503)
     DEADLINE_PASSED = "deadline_passed_in_queue"  # it waited until its deadline (504)
+    UNAVAILABLE = "no_replica_available"  # nothing could serve it for too long (503)
+
+
+# The Retry-After of a request refused because nothing could serve it (UNAVAILABLE): workers
+# and the router restart in seconds.
+UNAVAILABLE_RETRY_AFTER_S = 5.0
 
 
 class AdmissionRefused(RuntimeError):
@@ -69,7 +75,8 @@ class WorkerState:
     name: str
     role: Role
     domain: str
-    healthy: bool = True
+    healthy: bool = True  # reported, and not FAILED: it takes traffic
+    failed: bool = False  # FAILED (reported dead or silent) until its health check readmits it
     queue_depth: int = 0  # admitted, not yet running
     num_running: int = 0
     kv_usage: float = 0.0  # in-use KV blocks / total, in [0, 1]
@@ -84,6 +91,7 @@ class WorkerState:
     claimed_blocks: int = 0
     promised_seqs: int = 0
     promised_blocks: int = 0
+    cached_blocks: int = 0  # prefix-cache blocks the router's index credits it with
 
     @property
     def load(self) -> int:

@@ -630,7 +630,10 @@ class AsyncLLMEngine:
             return 0.0
         deadlines = [r.deadline for r in self._live_requests() if r.deadline is not None]
         deadlines += parked
-        return max(0.0, min(deadlines) - time.time()) if deadlines else None
+        if not deadlines:
+            return None
+        # A far deadline (a client's huge timeout) must not overflow Condition.wait.
+        return min(max(0.0, min(deadlines) - time.time()), threading.TIMEOUT_MAX)
 
     def _set_idle(self) -> None:
         """Under _cond: mark the thread asleep and release wait_idle() callers."""

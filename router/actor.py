@@ -9,11 +9,18 @@ reported dead or falls silent for ``heartbeat_timeout_s``: its index entries are
 once (no credit for cache that is gone, P12), its reports are ignored, and it gets no traffic
 until a health check (``ready()`` on its actor, which Ray restarts) answers; ``ready()`` makes
 the worker resync (CLEARED, then all it holds), so a false alarm costs no credit for cache
-that is still there. A restarted router starts empty and rebuilds from the resyncs.
+that is still there. A restarted router starts empty and rebuilds from the resyncs: it takes
+no report from a worker it does not know until that worker resyncs (``report`` answers False
+to the others, which makes them resync), and a worker it has not heard from yet is not FAILED
+(``watch_health`` tells coordinators only of real failures, so a router restart migrates no
+stream).
 
 Admission: ``admit`` queues the attempt and returns its decision once granted (or raises
 AdmissionRefused / NoReplicaAvailable); the coordinator calls ``release`` when the attempt
 ends. Whatever may free room (a report, a release, a worker back) lets the queue's head in.
+A head that nothing can serve (every worker of a role it needs FAILED or not back yet) waits
+up to ``admission.unavailable_wait_s``; then every request so blocked is refused (503,
+``Refusal.UNAVAILABLE``).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from contracts.actors import RouterAPI, WorkerClient
 from contracts.messages import WorkerInfo, WorkerLoad
 from contracts.roles import Role
 from contracts.routing import (
+    UNAVAILABLE_RETRY_AFTER_S,
     AdmissionRefused,
     Decision,
     NoReplicaAvailable,
@@ -42,7 +50,7 @@ from contracts.routing import (
 from engine.kv_events import KVEvent
 from router.admission import AdmissionQueue, AdmissionRate, Ledger, Waiter, refusal
 from router.config import RouterConfig
-from router.policy import WAITABLE, choose
+from router.policy import FULL, WAITABLE, choose
 from router.prefix_index import PrefixIndex
 
 logger = logging.getLogger("tandem.router")
@@ -56,7 +64,9 @@ class RouterActor:
         config: RouterConfig,
         heartbeat_timeout_s: float,
         namespace: str,
+        cluster_key: str = "",
     ) -> None:
+        self.cluster_key = cluster_key  # what the cluster was started from (tandem.launch)
         self.states: dict[str, WorkerState] = {
             name: WorkerState(name=name, role=role, domain=domain, healthy=False, block_size=16)
             for name, role, domain in workers
@@ -78,6 +88,12 @@ class RouterActor:
         self.rate = AdmissionRate()
         self._waiting: dict[Waiter, asyncio.Future[Decision]] = {}
         self.max_queued_seen = 0  # the deepest the queue got (tests: it never passes its bound)
+        self._stalled_since: float | None = None  # the head waits, no worker able to serve it
+
+    async def key(self) -> str:
+        """What this cluster was started from: an ingress attaching to it checks it is the
+        cluster its topology describes."""
+        return self.cluster_key
 
     async def wait_ready(self, timeout_s: float) -> None:
         """Until every worker has reported once (start-up)."""
@@ -91,15 +107,20 @@ class RouterActor:
 
     # -- reports -------------------------------------------------------------------------------
 
-    async def report(self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent]) -> bool:
-        """Take a worker's report; False if it was ignored (an unknown worker, or a FAILED one
-        not yet readmitted by its health check), so the worker resyncs with its next one."""
+    async def report(
+        self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent], resync: bool
+    ) -> bool:
+        """Take a worker's report; False if it was ignored (an unknown worker, a FAILED one
+        not yet readmitted by its health check, or one this router has no view of yet and
+        that does not resync: a restarted router), so the worker resyncs with its next one."""
         self._start_monitor()
         name = info.name
         state = self.states.get(name)
         if state is None:
             return False
         if self.incarnations.get(name) != info.incarnation:
+            if not resync:  # events on top of a view this router does not have
+                return False
             self.index.drop_worker(name)  # a restarted worker: its old cache is gone
             self.ledger.forget_worker(name)  # and what it was promised
             self.incarnations[name] = info.incarnation
@@ -122,6 +143,14 @@ class RouterActor:
         self._pump()
         return True
 
+    async def worker_started(self, name: str, incarnation: str) -> None:
+        """``name``'s process (re)started. If this router knew another incarnation of it, the
+        cache it credited died with that process (P12): FAILED at once -- no traffic, no credit
+        -- until the health check readmits it (it then resyncs), not after a heartbeat timeout."""
+        known = self.incarnations.get(name)
+        if known is not None and known != incarnation:
+            self._fail(name, "restarted")
+
     async def worker_failed(self, name: str) -> None:
         """The coordinator saw ``name`` die (actor death, transport UNAVAILABLE)."""
         self._fail(name, "reported dead")
@@ -132,6 +161,7 @@ class RouterActor:
             return
         if state.healthy:
             logger.warning("worker %s FAILED: %s", name, why)
+        state.failed = True
         self._set_healthy(state, False)
         self.index.drop_worker(name)
         self.ledger.forget_worker(name)
@@ -142,17 +172,22 @@ class RouterActor:
     def _set_healthy(self, state: WorkerState, healthy: bool) -> None:
         if state.healthy != healthy:
             state.healthy = healthy
-            self.health_version += 1
-            self._health_changed.set()
-            self._health_changed = asyncio.Event()
+            self._health_news()
+
+    def _health_news(self) -> None:
+        self.health_version += 1
+        self._health_changed.set()
+        self._health_changed = asyncio.Event()
 
     async def watch_health(self, version: int, timeout_s: float) -> tuple[int, dict[str, bool]]:
-        """Each worker's health, once it differs from ``version`` (or after ``timeout_s``): a
-        long poll, so coordinators learn at once that a worker they wait on went FAILED."""
+        """Whether each worker is FAILED (False) or not, once that differs from ``version``
+        (or after ``timeout_s``): a long poll, so coordinators learn at once that a worker they
+        wait on went FAILED. A worker not reported yet (this router just restarted) is not
+        FAILED: what it streams keeps flowing."""
         if version == self.health_version:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._health_changed.wait(), timeout_s)
-        return self.health_version, {name: s.healthy for name, s in self.states.items()}
+        return self.health_version, {name: not s.failed for name, s in self.states.items()}
 
     async def _health_check(self, name: str) -> None:
         """Poll the (restarting) actor until it answers; then it may report again."""
@@ -164,6 +199,8 @@ class RouterActor:
                     self.incarnations[name] = info.incarnation
                     self.index.drop_worker(name)
                     self.last_seen[name] = time.time()
+                    self.states[name].failed = False
+                    self._health_news()
                     return
                 except Exception:
                     await asyncio.sleep(HEALTH_CHECK_INTERVAL_S)
@@ -183,6 +220,9 @@ class RouterActor:
                     self._fail(name, f"silent for {now - seen:.1f} s")
             if self.ledger.expire(now):
                 self._pump()
+            since = self._stalled_since
+            if since is not None and now - since > self.config.admission.unavailable_wait_s:
+                self._refuse_unservable(now - since)
             await asyncio.sleep(self.heartbeat_timeout_s / 4)
 
     # -- admission and decisions ---------------------------------------------------------------
@@ -242,8 +282,13 @@ class RouterActor:
             try:
                 decision = choose(request, list(self.states.values()), self.index, self.config)
             except NoReplicaAvailable as exc:
-                if WAITABLE & set(exc.reasons.values()):
-                    return  # full or restarting: the head waits, and nobody overtakes it
+                reasons = set(exc.reasons.values())
+                if WAITABLE & reasons:  # full or restarting: it waits, nobody overtakes it
+                    if FULL in reasons:
+                        self._stalled_since = None
+                    elif self._stalled_since is None:
+                        self._stalled_since = time.time()
+                    return
                 self.queue.remove(waiter)
                 self._settle(waiter, error=exc)
                 continue
@@ -257,6 +302,29 @@ class RouterActor:
             if logger.isEnabledFor(logging.DEBUG):  # the breakdown is ~100 us to serialise
                 logger.debug("route %s", json.dumps(line, default=str))
             self._settle(waiter, decision=decision)
+        self._stalled_since = None
+
+    def _refuse_unservable(self, waited_s: float) -> None:
+        """Refuse every queued request that no worker could serve for ``waited_s``: all the
+        workers of a role it needs are FAILED or not back (a capacity wait is not refused)."""
+        states = list(self.states.values())
+        for waiter in self.queue.waiters():
+            try:
+                choose(waiter.request, states, self.index, self.config)
+            except NoReplicaAvailable as exc:
+                if FULL in exc.reasons.values():
+                    continue
+                self.queue.remove(waiter)
+                detail = f"no replica could serve it for {waited_s:.1f} s ({exc})"
+                refused = AdmissionRefused(
+                    waiter.request.request_id,
+                    Refusal.UNAVAILABLE,
+                    detail,
+                    retry_after_s=UNAVAILABLE_RETRY_AFTER_S,
+                )
+                self._settle(waiter, error=refused)
+        self._stalled_since = None
+        self._pump()
 
     def _settle(
         self,
@@ -282,6 +350,9 @@ class RouterActor:
         return list(self.log)
 
     async def worker_states(self) -> list[WorkerState]:
+        """Every worker as the router sees it (health, load, and the cache it is credited)."""
+        for state in self.states.values():
+            state.cached_blocks = self.index.held_by(state.name)
         return list(self.states.values())
 
 

@@ -43,6 +43,13 @@ class AdmissionConfig(_Section):
         description="refuse (503 + Retry-After) a request whose predicted wait in the queue, "
         "from the recent admission rate, is longer than the time left to its deadline",
     )
+    unavailable_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="how long a request waits while nothing can serve it (the router "
+        "restarting, or every worker of a role it needs FAILED) before it is refused with 503 "
+        "and Retry-After; capacity waits are bounded by the queue and the deadline instead",
+    )
 
 
 class RouterConfig(_Section):

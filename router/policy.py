@@ -43,8 +43,12 @@ on cost, so the prefix gets a copy that survives losing that domain.
 
 Unhealthy workers, excluded workers or domains, and workers without room for the request
 (a free batch slot and the KV blocks its engine would reserve: :func:`needed_blocks`) are never
-chosen; a pool left empty raises ``NoReplicaAvailable``, whose reasons say whether waiting can
-help (``FULL``, ``UNHEALTHY``) or not (exclusions). Costs within ``TIE_EPSILON`` are equal; ties
+chosen -- except that an excluded domain (a retry steering away from where a worker died)
+holds only while some worker outside it is healthy: when every other one is FAILED as well,
+the domain's workers that are back serve rather than nothing. (A dead worker itself is not
+excluded by name: the router keeps it out while FAILED, and back, it is a new process.) A
+pool left empty raises ``NoReplicaAvailable``, whose reasons say whether waiting can help
+(``FULL``, ``UNHEALTHY``) or not (exclusions). Costs within ``TIE_EPSILON`` are equal; ties
 break by name.
 """
 
@@ -122,12 +126,20 @@ def _eligible(
     Raises NoReplicaAvailable when none is left."""
     eligible: list[WorkerState] = []
     reasons: dict[str, str] = {}
+    # Excluded domains steer a retry away from where a worker just died while a healthy
+    # worker elsewhere exists; with none (the others FAILED too), the domain serves again.
+    steer = any(
+        w.healthy
+        and w.name not in request.exclude_workers
+        and w.domain not in request.exclude_domains
+        for w in pool
+    )
     for worker in pool:
         if not worker.healthy:
             reasons[worker.name] = UNHEALTHY
         elif worker.name in request.exclude_workers:
             reasons[worker.name] = "excluded"
-        elif worker.domain in request.exclude_domains:
+        elif steer and worker.domain in request.exclude_domains:
             reasons[worker.name] = f"in excluded domain {worker.domain}"
         elif not has_room(worker, request, prefill_only=role is Role.PREFILL):
             reasons[worker.name] = FULL

@@ -33,6 +33,10 @@ class PrefixIndex:
         """(worker, hash) pairs held: the index's size, back to its baseline after a drop."""
         return sum(len(hashes) for hashes in self._held.values())
 
+    def held_by(self, worker: str) -> int:
+        """Blocks ``worker`` holds, as the index knows it."""
+        return len(self._held.get(worker, ()))
+
     @property
     def num_hashes(self) -> int:
         """Distinct hashes held by at least one worker."""

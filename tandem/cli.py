@@ -140,7 +140,60 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--address", default=None, help="join this Ray cluster (default: start one)")
     s.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser("status", help="the cluster as its router sees it (GET /v1/cluster)")
+    st.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    st.add_argument("--json", action="store_true", help="print the raw JSON")
+    st.set_defaults(func=cmd_status)
     return p
+
+
+STATUS_COLUMNS = (
+    ("name", "worker"),
+    ("role", "role"),
+    ("domain", "domain"),
+    ("state", "state"),
+    ("running", "running"),
+    ("queue_depth", "queued"),
+    ("kv_usage", "kv used"),
+    ("cached_blocks", "cached blocks"),
+)
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    """Print the router's view of the workers; 1 if the server does not answer it."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{a.url.rstrip('/')}/v1/cluster", timeout=10) as reply:
+            doc = json.load(reply)
+    except urllib.error.HTTPError as e:
+        print(
+            f"tandem: {a.url}: HTTP {e.code}: {e.read().decode(errors='replace')}", file=sys.stderr
+        )
+        return 1
+    except (urllib.error.URLError, OSError) as e:
+        print(f"tandem: {a.url}: {e}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(doc, indent=2))
+        return 0
+    rows = [[_cell(w[key]) for key, _ in STATUS_COLUMNS] for w in doc["workers"]]
+    heads = [head for _, head in STATUS_COLUMNS]
+    widths = [max(len(x) for x in col) for col in zip(heads, *rows, strict=False)]
+    for row in [heads, *rows]:
+        print("  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip())
+    queue = doc["admission_queue"]
+    print(
+        f"status: {doc['status']}; admission queue: {queue['waiting']} waiting "
+        f"(most: {queue['most_waiting']}); retry budget: {doc['retry_budget_tokens']:.1f}"
+    )
+    return 0
+
+
+def _cell(value: object) -> str:
+    return f"{value:.0%}" if isinstance(value, float) else str(value)
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

@@ -1,9 +1,11 @@
-"""The Ray Serve application: one ingress deployment that owns the cluster of its topology.
+"""The Ray Serve application: the ingress deployment in front of the cluster of its topology.
 
-``Ingress`` starts the router and worker actors of the topology (``tandem.launch``) in its
-async constructor and answers the OpenAI API through ``api.app.Service``. The workers are
-named actors owned by the replica: when Serve replaces the replica, they go with it and the new
-replica starts its own. Keep ``num_replicas`` at 1 (two replicas would race for the names).
+``Ingress`` attaches to the topology's router and worker actors in its async constructor,
+starting them if they are not running (``tandem.launch``: they are detached, named actors of
+the application), and answers the OpenAI API through ``api.app.Service``. A replica that
+Serve replaces leaves the cluster running, caches and all: the next one attaches to it.
+Several replicas (the topology's ``serve.num_replicas``) share one router and one set of
+workers; each has its own coordinator.
 
     serve run deploy/serve.yaml            # import path tandem.deployment:app_builder
     tandem serve --topology FILE           # the same application, from the CLI
@@ -12,24 +14,65 @@ No ``from __future__ import annotations`` here: Serve's class-based views need t
 methods' annotations as real types, or FastAPI takes ``request`` for a query parameter.
 """
 
+import logging
+import socket
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request, Response
+from fastapi import Request, Response
 from ray import serve
 from ray.serve import Application
 
 from api.app import Service
+from api.edge import GENERATION_RESPONSES, OpenAIApp
 from api.gate import IngressGate
 from api.metrics import Metrics
+from api.protocol import ChatCompletionRequest, CompletionRequest
 from contracts.roles import Role
 from engine.tokenizer import Tokenizer
 from tandem.launch import Cluster, model_dir_of, start_cluster
 from tandem.topology import load_topology
 
+logger = logging.getLogger("tandem.deployment")
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parent.parent / "deploy" / "topologies" / "local.yaml"
 
-app = FastAPI(title="Tandem", description="OpenAI-compatible API of a Tandem cluster")
+
+def rebind_after_a_crash() -> None:
+    """Make this replica's direct-ingress HTTP socket bindable over TIME_WAIT connections.
+
+    Ray Serve 2.60 binds the replica's port without ``SO_REUSEADDR``, so a replica started
+    after one that died (SIGKILL, OOM) cannot bind while the dead one's connections sit in
+    TIME_WAIT (60 s on Linux); Serve then blocks the port for good (``NoAvailablePortError``):
+    the endpoint stays down. ``SO_REUSEADDR`` (what uvicorn itself sets) allows the bind over
+    TIME_WAIT only -- never beside a live listener, unlike ``SO_REUSEPORT``. Serve asks for
+    the socket option through ``start_asgi_http_server(enable_so_reuseport=...)`` and
+    ``set_socket_reuse_port``, both private: this replica process calls them through a wrapper
+    that asks for the option and sets ``SO_REUSEADDR`` alone. Runs in the replica's
+    constructor, before Serve starts its server; a Ray without those names is left as it is.
+    """
+    from ray.serve._private import http_util, replica
+
+    start = getattr(replica, "start_asgi_http_server", None)
+    if start is None or not hasattr(http_util, "set_socket_reuse_port"):
+        logger.warning("Ray Serve's direct ingress changed: a restarted replica may not rebind")
+        return
+    if getattr(start, "rebinds", False):
+        return
+
+    def reuse_addr(sock: socket.socket) -> bool:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        return True
+
+    async def start_rebindable(*args: Any, **kwargs: Any) -> Any:
+        return await start(*args, **{**kwargs, "enable_so_reuseport": True})
+
+    start_rebindable.rebinds = True  # type: ignore[attr-defined]
+    http_util.set_socket_reuse_port = reuse_addr
+    replica.start_asgi_http_server = start_rebindable
+
+
+# Its handlers and routes are set before @serve.ingress below freezes a copy for the replicas.
+app = OpenAIApp(title="Tandem", description="OpenAI-compatible API of a Tandem cluster")
 
 
 def service_for(cluster: Cluster, model_dir: Path) -> Service:
@@ -64,6 +107,7 @@ def service_for(cluster: Cluster, model_dir: Path) -> Service:
 @serve.ingress(app)
 class Ingress:
     async def __init__(self, topology: str, model: str | None = None) -> None:  # type: ignore[misc]
+        rebind_after_a_crash()
         spec = load_topology(topology)
         if model:
             spec = spec.with_model_path(Path(model))
@@ -72,14 +116,23 @@ class Ingress:
         self.service = service_for(self.cluster, model_dir)
 
     async def check_health(self) -> None:
-        """Serve's replica health check: the router answers and a pair can serve."""
-        await self.service.check_ready()
+        """Serve's replica health check: raises only when this replica is broken, never
+        because the router or a worker restarts (Serve would replace a working replica)."""
+        await self.service.check_alive()
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        openapi_extra=app.json_body(CompletionRequest),
+        responses=GENERATION_RESPONSES,
+    )
     async def completions(self, request: Request) -> Response:
         return await self.service.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=app.json_body(ChatCompletionRequest),
+        responses=GENERATION_RESPONSES,
+    )
     async def chat_completions(self, request: Request) -> Response:
         return await self.service.chat_completions(request)
 
@@ -90,6 +143,10 @@ class Ingress:
     @app.get("/health")
     async def health(self) -> Response:
         return await self.service.health()
+
+    @app.get("/v1/cluster")
+    async def cluster_view(self) -> Response:
+        return await self.service.cluster()
 
     @app.get("/metrics")
     async def metrics(self) -> Response:
@@ -102,4 +159,6 @@ def app_builder(args: dict[str, Any]) -> Application:
     ``model`` (a checkpoint directory overriding the topology's)."""
     topology = str(args.get("topology") or DEFAULT_TOPOLOGY)
     model = args.get("model")
-    return Ingress.bind(topology, str(model) if model else None)  # type: ignore[attr-defined]
+    replicas = load_topology(topology).serve.num_replicas
+    ingress = Ingress.options(num_replicas=replicas)  # type: ignore[attr-defined]
+    return ingress.bind(topology, str(model) if model else None)  # type: ignore[no-any-return]

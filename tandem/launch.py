@@ -1,7 +1,14 @@
-"""Start a topology on Ray: the router actor, the worker actors, and a coordinator.
+"""Start a topology on Ray (or attach to it, started): the router actor, the worker actors,
+and a coordinator for the caller.
 
 Actors live in the Ray namespace ``tandem`` under their topology names (``tandem-router``,
-``prefill-0``, ``decode-1``, ...). Workers restart when they die (``max_restarts=-1``; no task
+``prefill-0``, ``decode-1``, ...). They are detached: the cluster belongs to the application,
+not to the process that started it, so an ingress replica that Serve replaces (or several
+replicas at once) attaches to the running actors with their caches instead of starting a
+second cluster; :func:`stop_cluster` removes them (``tandem serve``'s shutdown). Creation is
+get-or-create by name, so replicas starting together race harmlessly; the router carries a key
+of what it was started from, and attaching to a cluster of another topology or model is an
+error (:class:`ClusterMismatch`). Actors restart when they die (``max_restarts=-1``; no task
 is retried by Ray: the coordinator retries requests itself, with fresh attempt ids); a
 restarted worker rejoins once the router's health check reaches it.
 """
@@ -10,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,6 +64,29 @@ class Cluster:
             ray.kill(handle, no_restart=True)
 
 
+class ClusterMismatch(RuntimeError):
+    """The cluster running under Tandem's names was started from another topology or model."""
+
+
+def cluster_key(topology: Topology, model_dir: Path) -> str:
+    """What a cluster is started from, as a short digest: the topology and the model."""
+    text = f"{topology.model_dump_json()}\n{model_dir.resolve()}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def stop_cluster(topology: Topology) -> list[str]:
+    """Kill the topology's actors (router and workers) for good; the names it found."""
+    killed = []
+    for name in [ROUTER_NAME, *(s.name for s in topology.workers())]:
+        try:
+            handle = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            continue
+        ray.kill(handle, no_restart=True)
+        killed.append(name)
+    return killed
+
+
 def workers_have_cuda(topology: Topology) -> bool:
     """Whether the prefill and decode workers will run with CUDA: each asks Ray for a GPU and
     the cluster has GPUs (what ``transport: auto`` decides by)."""
@@ -82,8 +113,10 @@ def sized_workers(topology: Topology, model_dir: Path, cluster_memory: float) ->
 
 
 async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cluster:
-    """Launch every actor of ``topology`` and wait until all are ready."""
+    """Launch every actor of ``topology``, or attach to those running (started from the same
+    topology and model: else ClusterMismatch), and wait until all are ready."""
     model_dir = model_dir or model_dir_of(topology)
+    key = cluster_key(topology, model_dir)
     specs = sized_workers(topology, model_dir, ray.cluster_resources().get("memory", 0.0))
     transport = topology.resolved_transport(workers_have_cuda(topology))
     router = RouterClient(
@@ -91,6 +124,8 @@ async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cl
         .options(
             name=ROUTER_NAME,
             namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
             num_cpus=0.05,
             max_restarts=-1,
             # Every queued admission is a call in progress: room for the whole queue and
@@ -102,8 +137,16 @@ async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cl
             topology.router,
             topology.heartbeat_timeout_s,
             NAMESPACE,
+            key,
         )
     )
+    running = await router.key()
+    if running != key:
+        raise ClusterMismatch(
+            f"a Tandem cluster of another topology or model (key {running}, this one {key}) "
+            f"runs in Ray namespace {NAMESPACE!r}: stop it first (tandem serve's Ctrl-C, or "
+            "ray.kill its actors)"
+        )
     by_label = nodes_carry_label(topology.label_key)
     workers = {
         s.name: WorkerClient(_start_worker(s, topology, model_dir, transport, by_label))
@@ -113,7 +156,14 @@ async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cl
         asyncio.gather(*(w.ready() for w in workers.values())), READY_TIMEOUT_S
     )
     by_name = {i.name: i for i in infos}
-    coordinator = Coordinator(router, workers, by_name, topology.model.name, topology.retry)
+    coordinator = Coordinator(
+        router,
+        workers,
+        by_name,
+        topology.model.name,
+        topology.retry,
+        topology.router.admission.unavailable_wait_s,
+    )
     await router.wait_ready(READY_TIMEOUT_S)
     return Cluster(topology, router, workers, by_name, transport, coordinator)
 
@@ -144,6 +194,8 @@ def _start_worker(
         .options(
             name=spec.name,
             namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
             num_cpus=spec.num_cpus,
             num_gpus=spec.num_gpus,
             max_restarts=-1,

@@ -45,8 +45,11 @@ def direct_ingress_env(port: int) -> dict[str, str]:
 
 def free_port(host: str, port: int = 0) -> int:
     """``port`` if it is free to listen on at ``host`` (0: one the OS picks); else a
-    ValueError naming the address, before anything starts."""
+    ValueError naming the address, before anything starts. Checked as the server binds it
+    (``SO_REUSEADDR``): connections of a server stopped a moment ago, in TIME_WAIT, do not make
+    the port busy; a live listener does."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:
@@ -56,16 +59,20 @@ def free_port(host: str, port: int = 0) -> int:
 
 def deploy(topology: Path, model: Path | None, host: str, port: int, address: str | None) -> str:
     """Deploy the application; returns the base URL. A Ray this starts serves HTTP from the
-    ingress replica (:func:`direct_ingress_env`); a cluster joined at ``address``, or a Ray
-    already running in this process, keeps its own Serve settings (the proxy takes ``port``)."""
+    ingress replica (:func:`direct_ingress_env`) when there is one replica; a cluster joined
+    at ``address``, a Ray already running in this process, or several replicas are served by
+    Serve's proxy on ``port``."""
     import ray
     from ray import serve
 
     from tandem.deployment import app_builder
 
     proxy_port = port
+    replicas = load_topology(topology).serve.num_replicas
     if address:
         init_ray(address)  # the cluster's own Serve settings apply
+    elif not ray.is_initialized() and replicas > 1:  # one port for many replicas: the proxy's
+        init_ray()
     elif not ray.is_initialized():
         os.environ.update(direct_ingress_env(port))
         init_ray()
@@ -106,6 +113,8 @@ def serve_forever(
     import ray
     from ray import serve
 
+    from tandem.launch import stop_cluster
+
     started = time.time()
     spec = load_topology(topology)  # fails fast on a bad file, before Ray starts
     port = free_port(host, port)  # and on a port in use; --port 0 picks one
@@ -126,5 +135,7 @@ def serve_forever(
     finally:
         print("tandem: shutting down", file=sys.stderr)
         serve.shutdown()
+        if ray.is_initialized():  # the cluster outlives its ingress: remove it too
+            stop_cluster(spec)
         ray.shutdown()
     return 0

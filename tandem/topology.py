@@ -151,9 +151,17 @@ class Pools(_Section):
 
 
 class ServeSpec(_Section):
-    """The HTTP ingress: its phase-1 gate (body size, API keys -> tenants, quotas)."""
+    """The HTTP ingress: its phase-1 gate (body size, API keys -> tenants, quotas) and its
+    replicas."""
 
     gate: GateConfig = Field(default_factory=GateConfig)
+    num_replicas: int = Field(
+        1,
+        ge=1,
+        description="ingress replicas (Serve's num_replicas); all share the cluster's router "
+        "and workers. More than one: tandem serve answers through Serve's proxy on --port "
+        "(a replica answering HTTP itself takes one port)",
+    )
 
 
 @dataclass(frozen=True)

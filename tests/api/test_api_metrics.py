@@ -11,6 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
+from api.app import _api_error, health_body, worker_view
 from api.metrics import (
     REJECTION_CAUSES,
     STREAM_ERROR_CAUSES,
@@ -19,6 +20,9 @@ from api.metrics import (
     RequestTiming,
     log_record,
 )
+from cluster.retry import GiveUp, RetriesExhausted
+from contracts.roles import Role
+from contracts.routing import AdmissionRefused, Refusal, WorkerState
 from engine.request import FinishReason, RequestStatus
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
@@ -232,6 +236,7 @@ def test_rejections_by_cause_start_at_zero() -> None:
         "queue_full",
         "queue_wait_exceeds_deadline",
         "deadline_passed_in_queue",
+        "no_replica_available",
     }
     m.observe_rejection("rate_limited")
     m.observe_rejection("rate_limited")
@@ -368,3 +373,134 @@ def test_log_line_of_a_request_without_output(caplog: pytest.LogCaptureFixture) 
         dict.fromkeys(("ttft_s", "tpot_s", "itl_max_s", "e2e_s", "queue_time_s"))
     )
     assert (got["num_output_tokens"], got["duration_s"]) == (0, 0.0)
+
+
+def test_a_down_worker_is_up_0_and_its_load_is_no_longer_exported() -> None:
+    """``tandem_worker_up`` follows the router's view; a worker that goes down stops exporting
+    its last load as if it were current, and exports it again once back."""
+    m = Metrics()
+    m.set_worker("decode-0", 0.5, 2, 3, 0.25)
+    m.set_worker("decode-1", 0.1, 0, 1, 0.0)
+    m.worker_down("decode-1")
+    m.worker_down("decode-2")  # never reported: up 0, nothing to drop
+    got = samples(m)
+    assert {w: value(got, "tandem_worker_up", worker=w) for w in ("decode-0", "decode-1")} == {
+        "decode-0": 1.0,
+        "decode-1": 0.0,
+    }
+    assert value(got, "tandem_worker_up", worker="decode-2") == 0.0
+    for name in ("tandem_kv_usage_ratio", "tandem_queue_depth", "tandem_running_requests"):
+        workers = {dict(labels)["worker"] for n, labels in got if n == name}
+        assert workers == {"decode-0"}, name
+    assert value(got, "tandem_running_requests", worker="decode-0") == 3.0
+    m.set_worker("decode-1", 0.2, 1, 1, 0.5)
+    got = samples(m)
+    assert value(got, "tandem_worker_up", worker="decode-1") == 1.0
+    assert value(got, "tandem_kv_usage_ratio", worker="decode-1") == 0.2
+
+
+def test_the_retry_budget_is_a_gauge() -> None:
+    m = Metrics()
+    m.retry_budget.set(7.5)
+    assert value(samples(m), "tandem_retry_budget_tokens") == 7.5
+
+
+def test_health_body_says_ok_degraded_or_unavailable_with_what_is_down() -> None:
+    """Full capacity: ok. A worker down: degraded, naming it, with the share of decode slots
+    left (prefill workers hold none). No decoding worker up: unavailable."""
+
+    def state(name: str, healthy: bool = True, failed: bool = False) -> WorkerState:
+        role = Role(name.rsplit("-", 1)[0])
+        return WorkerState(name, role, "a", healthy=healthy, failed=failed, max_num_seqs=8)
+
+    up = [state("prefill-0"), state("decode-0"), state("decode-1")]
+    assert health_body(up) == {"status": "ok", "workers": 3, "down": [], "capacity": 1.0}
+    one = [state("prefill-0", False, True), state("decode-0"), state("decode-1", False)]
+    assert health_body(one) == {
+        "status": "degraded",
+        "workers": 3,
+        "down": ["decode-1", "prefill-0"],
+        "capacity": 0.5,
+    }
+    none = [state("prefill-0"), state("decode-0", False, True), state("decode-1", False, True)]
+    assert health_body(none) == {
+        "status": "unavailable",
+        "workers": 3,
+        "down": ["decode-0", "decode-1"],
+        "capacity": 0.0,
+    }
+    colocated = [state("colocated-0"), state("colocated-1", False)]
+    assert health_body(colocated)["status"] == "degraded"
+
+
+def test_worker_view_names_the_state_and_every_field() -> None:
+    s = WorkerState(
+        "decode-1",
+        Role.DECODE,
+        "b",
+        healthy=False,
+        failed=True,
+        queue_depth=1,
+        num_running=2,
+        kv_usage=0.25,
+        prefix_hit_ratio=0.5,
+        max_num_seqs=16,
+        num_kv_blocks=100,
+        cached_blocks=7,
+    )
+    assert worker_view(s) == {
+        "name": "decode-1",
+        "role": "decode",
+        "domain": "b",
+        "state": "failed",
+        "queue_depth": 1,
+        "running": 2,
+        "max_num_seqs": 16,
+        "kv_usage": 0.25,
+        "kv_blocks": 100,
+        "cached_blocks": 7,
+        "prefix_hit_ratio": 0.5,
+    }
+    starting = WorkerState("decode-0", Role.DECODE, "a", healthy=False)
+    assert worker_view(starting)["state"] == "starting"
+    assert worker_view(WorkerState("decode-0", Role.DECODE, "a"))["state"] == "up"
+
+
+@pytest.mark.parametrize(
+    ("exc", "status", "code", "retry_after"),
+    [
+        (AdmissionRefused("r", Refusal.QUEUE_FULL, "full", 1.0), 429, "queue_full", "1"),
+        (
+            AdmissionRefused("r", Refusal.WAIT_EXCEEDS_DEADLINE, "slow", 2.5),
+            503,
+            "queue_wait_exceeds_deadline",
+            "3",
+        ),
+        (
+            AdmissionRefused("r", Refusal.DEADLINE_PASSED, "late", None),
+            504,
+            "deadline_passed_in_queue",
+            None,
+        ),
+        (
+            AdmissionRefused("r", Refusal.UNAVAILABLE, "none up", 5.0),
+            503,
+            "no_replica_available",
+            "5",
+        ),
+        (RetriesExhausted("r", GiveUp.BUDGET, 1, "decode-0 died"), 503, "failed", "5"),
+        (RetriesExhausted("r", GiveUp.DEADLINE, 2, "x"), 504, "timeout", None),
+        (
+            RetriesExhausted("r", GiveUp.MAX_ATTEMPTS, 3, "x", rejected=True),
+            503,
+            "kv_capacity",
+            None,
+        ),
+    ],
+)
+def test_each_failure_before_a_token_is_its_status_with_retry_after_where_retrying_helps(
+    exc: Exception, status: int, code: str, retry_after: str | None
+) -> None:
+    err = _api_error(exc)
+    assert (err.status, err.code) == (status, code)
+    assert err.headers().get("Retry-After") == retry_after

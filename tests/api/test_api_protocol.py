@@ -204,7 +204,7 @@ def test_chat_fields_out_of_range(fields: dict[str, Any], param: str) -> None:
     ("body", "needle"),
     [
         (b"{", "not valid JSON"),
-        (b"", "not valid JSON"),
+        (b"", "the body is empty"),
         (b"\xff\xfe", "not valid JSON"),
         (b'{"model": "demo", "prompt": "\\ud800"}', "not valid JSON"),  # a lone surrogate
         (b"[1, 2]", "must be a JSON object"),

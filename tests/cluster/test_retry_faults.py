@@ -34,11 +34,26 @@ def test_budget_caps_retries_to_a_share_of_admitted_requests() -> None:
     assert budget.may_retry(1, None) is GiveUp.BUDGET
 
 
-def test_exclusions_keep_dead_domains() -> None:
+def test_a_started_stream_migrates_with_the_budget_spent_and_spends_none() -> None:
+    """The budget limits retries before the first token, never a started stream's migration;
+    max_attempts and the deadline still bound both."""
+    budget = RetryBudget(RetryPolicy(max_attempts=3, budget_burst=1.0, backoff_s=1.0))
+    assert budget.may_retry(1, None) is None  # spends the only token
+    assert budget.may_retry(1, None) is GiveUp.BUDGET
+    assert budget.may_retry(1, None, started=True) is None
+    assert budget.tokens == 0.0
+    assert budget.may_retry(3, None, started=True) is GiveUp.MAX_ATTEMPTS
+    assert budget.may_retry(1, 100.0, started=True, now=99.5) is GiveUp.DEADLINE
+    budget.admitted()
+    assert budget.tokens == 0.2  # a migration took nothing from what refills
+
+
+def test_exclusions_keep_failing_workers_and_dead_domains() -> None:
     ex = Exclusions()
-    ex.failed("prefill-0", "a")
-    ex.failed("decode-1", None)
-    assert ex.workers == {"prefill-0", "decode-1"} and ex.domains == {"a"}
+    ex.died("a")
+    ex.failed("decode-1")
+    ex.died(None)  # a worker of no known domain
+    assert ex.workers == {"decode-1"} and ex.domains == {"a"}
 
 
 def test_a_fault_fires_once_at_its_count_and_attempt() -> None:

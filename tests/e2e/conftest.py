@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from contracts.actors import NAMESPACE, ROUTER_NAME
+from tandem.launch import stop_cluster
 from tandem.serve import free_port, wait_until_ready
 from tandem.topology import load_topology
 
@@ -18,8 +19,8 @@ ServeApp = Callable[[Path], str]
 
 
 def _wait_actors_gone(names: list[str], timeout_s: float = 60.0) -> None:
-    """Until none of ``names`` is a live actor in Tandem's namespace: a deleted application's
-    workers die with its ingress replica, a little after ``serve.delete`` returns."""
+    """Until none of ``names`` is a live actor in Tandem's namespace (a killed actor's name is
+    released a little after ``ray.kill`` returns)."""
     until = time.time() + timeout_s
     for name in names:
         while True:
@@ -50,17 +51,20 @@ def _wait_port_free(port: int, timeout_s: float = 60.0) -> None:
 def serve_app(ray_session: None, direct_ingress_port: int) -> Iterator[ServeApp]:
     """``serve_app(topology_file)`` deploys Tandem's Serve application with that topology and
     returns the ingress replica's URL (direct ingress, as ``tandem serve`` runs it); Serve's
-    proxy also serves it, on ``serve_app.proxy_port``. Deleted at the module's end, once its
-    actors are gone (the next module's cluster takes the same names)."""
+    proxy also serves it, on ``serve_app.proxy_port``. Deleted at the module's end with its
+    cluster (detached actors: they outlive the replica), once its actors are gone (the next
+    module's cluster takes the same names)."""
     from ray import serve
 
     from tandem.deployment import app_builder
 
     names: list[str] = []
+    topologies: list[Path] = []
     proxy_port = free_port("127.0.0.1")
 
     def deploy(topology: Path) -> str:
         names.extend([ROUTER_NAME, *(w.name for w in load_topology(topology).workers())])
+        topologies.append(topology)
         _wait_actors_gone(names)  # a previous module's cluster
         _wait_port_free(direct_ingress_port)  # and its ingress replica (Serve would block it)
         serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
@@ -73,4 +77,6 @@ def serve_app(ray_session: None, direct_ingress_port: int) -> Iterator[ServeApp]
     yield deploy
     serve.delete("tandem")
     serve.shutdown()
+    for topology in topologies:
+        stop_cluster(load_topology(topology))
     _wait_actors_gone(names)

@@ -23,7 +23,7 @@ from engine.engine import LLMEngine
 from engine.request import RequestStatus
 from kv_transfer import Transport
 from tandem import launch as launch_module
-from tandem.launch import Cluster, start_cluster
+from tandem.launch import Cluster, ClusterMismatch, start_cluster
 from tandem.topology import Topology
 
 pytestmark = pytest.mark.e2e
@@ -87,6 +87,37 @@ def test_colocated_topology_serves_the_same_tokens(
         records = c.coordinator.records[-len(cases) :]
         assert all(r.queue_time_s is not None and r.queue_time_s >= 0 for r in records)
         await assert_clean(c)
+
+    with launch(COLOCATED, test_llama) as c:
+        run(body(c))
+
+
+def test_a_second_ingress_attaches_to_the_running_cluster_and_never_starts_another(
+    ray_session: None, test_llama: Path, colocated: LLMEngine
+) -> None:
+    """What a second (or replacement) ingress replica does: ``start_cluster`` with the same
+    topology finds the detached actors by name -- the same actors, with their caches -- and
+    its own coordinator serves through them; another topology under the same names is
+    refused (ClusterMismatch), leaving the running cluster as it was."""
+    topology = Topology.from_yaml_text(COLOCATED.format(path=test_llama, engine=ENGINE))
+
+    async def body(first: Cluster) -> None:
+        tokens = prompt(40, 7)
+        assert await collect(first, tokens, GREEDY) == expected(colocated, tokens, GREEDY)
+        second = await start_cluster(topology, test_llama)
+        ids = {n: w.handle._actor_id for n, w in first.workers.items()}
+        assert {n: w.handle._actor_id for n, w in second.workers.items()} == ids
+        assert second.router.handle._actor_id == first.router.handle._actor_id
+        assert second.coordinator.consumer != first.coordinator.consumer
+        await asyncio.sleep(0.5)  # the first request's blocks reach the router
+        assert await collect(second, tokens, GREEDY) == expected(colocated, tokens, GREEDY)
+        last = (await second.router.decisions())[-1]
+        assert last["hit_blocks"] == 2  # the cache the first coordinator's request left
+        other = topology.model_copy(update={"heartbeat_timeout_s": 9.0})
+        with pytest.raises(ClusterMismatch, match="another topology or model"):
+            await start_cluster(other, test_llama)
+        assert {n: w.handle._actor_id for n, w in first.workers.items()} == ids
+        await assert_clean(first)
 
     with launch(COLOCATED, test_llama) as c:
         run(body(c))

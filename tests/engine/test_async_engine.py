@@ -311,6 +311,28 @@ def test_deadline_of_paused_request_wakes_the_engine(engine: LLMEngine) -> None:
     assert_engine_clean(engine)
 
 
+def test_a_paused_request_with_a_far_deadline_does_not_break_the_engine(
+    engine: LLMEngine,
+) -> None:
+    """A deadline past what a thread may wait (a client's 1e308 s timeout) sleeps the engine
+    at most threading.TIMEOUT_MAX, not an OverflowError that fails every request."""
+
+    async def main() -> None:
+        async with AsyncLLMEngine(engine, max_buffered_outputs=1) as aengine:
+            gen = aengine.generate("hello", greedy(3000), request_id="far", deadline=1.7e308)
+            await anext(gen)  # nobody reads on: the engine sleeps until the deadline
+            await asyncio.sleep(0.3)
+            other = aengine.generate("hi", greedy(4), request_id="next")
+            outs = await collect(other)
+            assert outs[-1].finished and outs[-1].finish_reason is FinishReason.MAX_TOKENS
+            await gen.aclose()
+            await aengine.wait_idle()
+            assert_idle_kv(aengine)
+
+    run(main())
+    assert_engine_clean(engine)
+
+
 def test_engine_failure_fails_every_consumer(engine: LLMEngine) -> None:
     ids = {"f0", "f1", "f2"}
     execute = engine.runner.execute

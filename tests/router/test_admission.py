@@ -24,6 +24,7 @@ from contracts.routing import (
 from engine.admission import Admission
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.kv_events import KVEvent, KVEventKind
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from router.actor import RouterActor
@@ -304,7 +305,7 @@ async def router(max_queued: int = 8) -> RouterActor:
     )
     actor = RouterActor(WORKERS, config, heartbeat_timeout_s=3600.0, namespace="test")
     for name, role, _ in WORKERS:
-        await actor.report(info(name, role), load(name), [])
+        await actor.report(info(name, role), load(name), [], resync=True)
     return actor
 
 
@@ -326,14 +327,16 @@ def test_the_router_admits_as_room_frees_in_order_and_refuses_past_its_bound() -
         # (first in the queue) takes the room, then r1's release lets r2 in.
         await actor.release("r0@1")
         await actor.report(
-            info("prefill-0", Role.PREFILL), load("prefill-0", admitted=("r1@1",)), []
+            info("prefill-0", Role.PREFILL), load("prefill-0", admitted=("r1@1",)), [], resync=False
         )
-        await actor.report(info("decode-0", Role.DECODE), load("decode-0", 1, 4, ("r1@1",)), [])
+        await actor.report(
+            info("decode-0", Role.DECODE), load("decode-0", 1, 4, ("r1@1",)), [], resync=False
+        )
         await asyncio.sleep(0.01)
         assert started.done() and not calls[2].done()
         assert (await started).decode == "decode-0"
         await actor.release("r1@1")
-        await actor.report(info("decode-0", Role.DECODE), load("decode-0"), [])
+        await actor.report(info("decode-0", Role.DECODE), load("decode-0"), [], resync=False)
         await asyncio.sleep(0.01)
         assert calls[2].done() and not calls[3].done()
         assert [line["request_id"] for line in await actor.decisions()] == [
@@ -366,7 +369,7 @@ def test_a_queued_request_past_its_deadline_is_refused_and_leaves() -> None:
 
 
 def test_a_request_no_worker_outside_its_exclusions_can_serve_fails_at_once() -> None:
-    """Waiting cannot help a request whose exclusions leave no worker: it is not queued."""
+    """Waiting cannot help a request whose excluded workers leave none: it is not queued."""
 
     async def body() -> None:
         actor = await router()
@@ -374,6 +377,93 @@ def test_a_request_no_worker_outside_its_exclusions_can_serve_fails_at_once() ->
         with pytest.raises(NoReplicaAvailable):
             await actor.admit(excluded)
         assert (await actor.queue_stats())[0] == 0
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_an_excluded_domain_serves_when_nothing_else_is_healthy() -> None:
+    """An excluded domain steers a retry away only while a worker elsewhere is healthy: with
+    every worker in it (and healthy again), the retry is admitted there rather than failed;
+    with its only decode worker FAILED, it waits."""
+
+    async def body() -> None:
+        actor = await router()
+        retry = RouteRequest("x@2", [], 8, exclude_domains=frozenset({"a"}))
+        decision = await actor.admit(retry)
+        assert (decision.prefill, decision.decode) == ("prefill-0", "decode-0")
+        await actor.worker_failed("decode-0")
+        waiting = asyncio.ensure_future(actor.admit(route("y@2", n=8)))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and (await actor.queue_stats())[0] == 1
+        waiting.cancel()
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_a_request_nothing_can_serve_waits_then_is_refused_unavailable() -> None:
+    """Every decode worker FAILED (silent past its heartbeat timeout): a request waits
+    ``unavailable_wait_s``, then is refused UNAVAILABLE with Retry-After -- while a request
+    waiting only for capacity is never refused for it."""
+
+    async def body() -> None:
+        config = RouterConfig(
+            local_prefill_max_tokens=0, admission=AdmissionConfig(unavailable_wait_s=0.3)
+        )
+        actor = RouterActor(WORKERS, config, heartbeat_timeout_s=0.2, namespace="test")
+        beating = {"prefill-0", "decode-0"}
+
+        async def heartbeats() -> None:
+            first = True
+            while True:
+                for name, role, _ in WORKERS:
+                    if name in beating:
+                        await actor.report(info(name, role), load(name), [], resync=first)
+                first = False
+                await asyncio.sleep(0.02)
+
+        beat = asyncio.ensure_future(heartbeats())
+        await asyncio.sleep(0.05)
+        held = [await actor.admit(route(f"h{i}@1", n=8)) for i in range(2)]  # both slots
+        full = asyncio.ensure_future(actor.admit(route("full@1", n=8)))
+        await asyncio.sleep(0.6)  # twice the unavailable wait: a capacity wait goes on
+        assert not full.done() and len(held) == 2
+        full.cancel()
+        beating.discard("decode-0")  # falls silent: FAILED after 0.2 s
+        await asyncio.sleep(0.35)
+        assert [s.failed for s in await actor.worker_states()] == [False, True]
+        start = time.time()
+        with pytest.raises(AdmissionRefused) as refused:
+            await actor.admit(route("u@1", n=8))
+        assert refused.value.reason is Refusal.UNAVAILABLE
+        assert refused.value.retry_after_s == 5.0
+        assert 0.3 <= time.time() - start < 1.0
+        assert (await actor.queue_stats())[0] == 0
+        beat.cancel()
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_a_restarted_router_takes_only_resyncs_and_fails_no_worker_it_has_not_heard() -> None:
+    """A router that starts (again) has no view of the workers: a worker's plain report is
+    refused (False: the worker resyncs), its resync taken; until then the worker is not
+    healthy (no traffic) but not FAILED either (a coordinator's watch keeps its streams)."""
+
+    async def body() -> None:
+        config = RouterConfig(local_prefill_max_tokens=0)
+        actor = RouterActor(WORKERS, config, heartbeat_timeout_s=3600.0, namespace="test")
+        version, health = await actor.watch_health(-1, 0.0)
+        assert health == {"prefill-0": True, "decode-0": True}
+        assert [s.healthy for s in await actor.worker_states()] == [False, False]
+        decode = info("decode-0", Role.DECODE)
+        assert await actor.report(decode, load("decode-0"), [], resync=False) is False
+        assert not (await actor.worker_states())[1].healthy
+        assert await actor.report(decode, load("decode-0"), [], resync=True) is True
+        assert await actor.report(decode, load("decode-0"), [], resync=False) is True
+        assert (await actor.worker_states())[1].healthy
+        await actor.worker_failed("decode-0")
+        version, health = await actor.watch_health(version, 0.0)
+        assert health == {"prefill-0": True, "decode-0": False}
+        assert (await actor.worker_states())[1].failed
 
     asyncio.run(asyncio.wait_for(body(), 10))
 
@@ -392,7 +482,7 @@ def test_a_request_whose_predicted_wait_passes_its_deadline_is_refused_at_once()
         for i in range(4):  # each release lets one waiter in, 50 ms apart: 20 admissions/s
             await asyncio.sleep(0.05)
             await actor.release(f"h{i}@1" if i < 2 else f"w{i - 2}@1")
-            await actor.report(info("decode-0", Role.DECODE), load("decode-0"), [])
+            await actor.report(info("decode-0", Role.DECODE), load("decode-0"), [], resync=False)
         await asyncio.sleep(0.01)
         assert [w.done() for w in waiters] == [True] * 4 + [False] * 2
         rate = actor.rate.per_second(time.time())
@@ -408,5 +498,28 @@ def test_a_request_whose_predicted_wait_passes_its_deadline_is_refused_at_once()
         patient.cancel()
         for w in waiters[4:]:
             w.cancel()
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_a_worker_restarted_under_a_known_name_is_failed_at_once_with_its_credit_dropped() -> None:
+    """P12 without waiting for a heartbeat timeout: a worker process that starts under a name
+    the router knows with another incarnation says so from its constructor; the router drops
+    the old process's cache credit and takes it out of routing until it is readmitted. Its
+    first start (no incarnation known) and a repeat of the known one change nothing."""
+
+    async def body() -> None:
+        actor = await router()
+        stored = KVEvent(KVEventKind.STORED, (11, 12, 13))
+        prefill = info("prefill-0", Role.PREFILL)
+        assert await actor.report(prefill, load("prefill-0"), [stored], resync=False)
+        await actor.worker_started("prefill-0", "i1")  # the incarnation it knows
+        await actor.worker_started("decode-9", "x")  # a name it does not know
+        states = {s.name: s for s in await actor.worker_states()}
+        assert (states["prefill-0"].healthy, states["prefill-0"].cached_blocks) == (True, 3)
+        await actor.worker_started("prefill-0", "i2")
+        states = {s.name: s for s in await actor.worker_states()}
+        assert (states["prefill-0"].healthy, states["prefill-0"].failed) == (False, True)
+        assert states["prefill-0"].cached_blocks == 0
 
     asyncio.run(asyncio.wait_for(body(), 10))

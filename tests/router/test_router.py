@@ -249,7 +249,7 @@ def test_domain_spread_is_a_weighed_penalty() -> None:
     num_tokens=st.integers(1, 161),
     local_max=st.sampled_from([0, 64]),
 )
-def test_excluded_and_unhealthy_are_never_chosen(
+def test_unhealthy_and_excluded_are_never_chosen_nor_excluded_domains_while_avoidable(
     loads: list[int],
     domains: list[str],
     healthy: list[bool],
@@ -269,11 +269,15 @@ def test_excluded_and_unhealthy_are_never_chosen(
     route = request(
         PROMPT[:num_tokens], exclude_workers=frozenset(excluded), exclude_domains=exclude_domains
     )
-    ok = {
-        w.name
-        for w in workers
-        if w.healthy and w.name not in excluded and w.domain not in exclude_domains
-    }
+    ok: set[str] = set()
+    for role in (
+        "prefill",
+        "decode",
+    ):  # per pool: a domain is avoided while one elsewhere is healthy
+        allowed = [w for w in workers if w.role.value == role and w.healthy]
+        allowed = [w for w in allowed if w.name not in excluded]
+        outside = [w for w in allowed if w.domain not in exclude_domains]
+        ok |= {w.name for w in (outside or allowed)}
     try:
         decision = choose(route, workers, index, RouterConfig(local_prefill_max_tokens=local_max))
     except NoReplicaAvailable as exc:
@@ -344,14 +348,20 @@ def test_all_dead_raises_naming_pool_and_reasons() -> None:
         worker("prefill-1", "b"),
         worker("decode-0", "a", healthy=False),
         worker("decode-1", "b"),
+        worker("decode-2", "c", max_num_seqs=0),  # healthy, outside the exclusions, full
     ]
     with pytest.raises(NoReplicaAvailable) as info:
         choose(request(PROMPT, exclude_domains=frozenset("b")), workers, PrefixIndex(), NO_LOCAL)
     exc = info.value
     assert (exc.pool, exc.request_id) == ("decode", "r")
-    assert exc.reasons == {"decode-0": "unhealthy", "decode-1": "in excluded domain b"}
+    assert exc.reasons == {
+        "decode-0": "unhealthy",
+        "decode-1": "in excluded domain b",
+        "decode-2": "full",
+    }
     assert str(exc) == (
-        "no decode replica for request 'r': decode-0 unhealthy, decode-1 in excluded domain b"
+        "no decode replica for request 'r': decode-0 unhealthy, decode-1 in excluded domain b, "
+        "decode-2 full"
     )
     copy = pickle.loads(pickle.dumps(exc))  # it crosses a Ray actor boundary
     assert (str(copy), copy.pool, copy.reasons) == (str(exc), exc.pool, exc.reasons)

@@ -1,0 +1,344 @@
+"""Control-plane fault benchmark (issue 15): what each fault costs a served endpoint.
+
+    .venv/bin/python -m bench.fault_bench --model /path/to/checkpoint \\
+        [--faults router ingress decode both-decodes] [--clients 8] [--repo DIR --label NAME]
+
+``tandem serve`` (the default topology, or ``--topology``) is started from ``--repo`` (a
+checkout of some version of Tandem, default this one, run with this venv), and for each fault
+in turn: ``--clients`` clients stream completions back to back (128 tokens, greedy,
+``ignore_eos``) while a poller GETs ``/v1/models`` every 100 ms; after ``--warmup-s`` the fault
+is injected with SIGKILL (Ray restarts what it runs):
+
+- ``router``: the router actor's process;
+- ``ingress``: the Serve ingress replica's process (Serve starts another);
+- ``decode``: one decode worker's process;
+- ``both-decodes``: both decode workers' processes, at once.
+
+The run goes on for ``--min-window-s`` after the fault (late effects: a health check failing
+on a restarting dependency gets the ingress replaced seconds later), then until the poller has
+seen ``--settle-s`` of answers in a row and every request started by then has ended (at most
+``--max-window-s``). Per fault:
+
+- **outage s**: time the port refused connections or answered 5xx (poll to poll);
+- **failed**: requests that did not get all their tokens: as an HTTP error status before any
+  token (with or without Retry-After), as a 200 cut by an error event, or as a connection
+  broken after it was made; out of the requests of the window that reached the server;
+- **refused**: connection attempts the port refused (each client tries again 100 ms later);
+- **routing back**: fault to the first token of the first request sent after it.
+
+Prints a table, writes ``bench/results/fault_bench[-LABEL].json`` and a PNG of outage and
+failed requests per fault. Run it once per version (``--repo`` of an older checkout,
+``--label before``) to compare.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from bench.served_bench import stop, wait_healthy
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+PORT = 8330
+FAULTS = ("router", "ingress", "decode", "both-decodes")
+# The processes each fault kills, by Ray's process title (the actor's class).
+TITLES = {
+    "router": ("ray::RouterActor", 1),
+    "ingress": ("ServeReplica:tandem:tandem-ingress", 1),
+    "decode": ("ray::DecodeWorker", 1),
+    "both-decodes": ("ray::DecodeWorker", 2),
+}
+
+
+def log(msg: str) -> None:
+    print(f"[fault_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Outcome:
+    sent: float
+    status: int  # 0: no HTTP answer
+    tokens: int = 0
+    first_token: float | None = None
+    error: str | None = None
+    retry_after: bool = False
+    refused: bool = False  # the connection was refused: the request never reached a server
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.error is None
+
+
+def stream(url: str, prompt: str, max_tokens: int, model: str) -> Outcome:
+    sent = time.time()
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        with requests.post(f"{url}/v1/completions", json=payload, stream=True, timeout=300) as r:
+            if r.status_code != 200:
+                return Outcome(sent, r.status_code, error=r.text[:200],
+                               retry_after="Retry-After" in r.headers)  # fmt: skip
+            out = Outcome(sent, 200)
+            for line in r.iter_lines():
+                if not line.startswith(b"data: {"):
+                    continue
+                chunk = json.loads(line.removeprefix(b"data: "))
+                if "error" in chunk:
+                    out.error = chunk["error"]["message"][:200]
+                elif chunk.get("usage"):
+                    out.tokens = chunk["usage"]["completion_tokens"]
+                else:
+                    out.first_token = out.first_token or time.time()
+            if out.error is None and out.tokens < max_tokens:
+                out.error = f"{out.tokens} of {max_tokens} tokens"
+            return out
+    except requests.RequestException as e:
+        refused = isinstance(e, requests.ConnectionError) and "refused" in str(e).lower()
+        return Outcome(sent, 0, error=type(e).__name__, refused=refused)
+
+
+@dataclass
+class Poll:
+    times: list[float] = field(default_factory=list)
+    ok: list[bool] = field(default_factory=list)
+
+    def outage_s(self, since: float) -> float:
+        """Seconds after ``since`` during which the port did not answer, or answered 5xx."""
+        total = 0.0
+        for i in range(len(self.times) - 1):
+            if self.times[i] >= since and not self.ok[i]:
+                total += self.times[i + 1] - self.times[i]
+        return total
+
+
+def poll(url: str, out: Poll, stop_event: threading.Event) -> None:
+    while not stop_event.wait(0.1):
+        try:
+            good = requests.get(f"{url}/v1/models", timeout=2).status_code < 500
+        except requests.RequestException:
+            good = False
+        out.times.append(time.time())
+        out.ok.append(good)
+
+
+def ray_processes(title: str, driver_pid: int) -> list[int]:
+    """The worker processes of the Ray that ``driver_pid`` started (children of its raylet)
+    whose command line (Ray's process title) contains ``title``: never another session's."""
+    procs: dict[int, tuple[int, bytes]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    procs[int(entry)] = (ppid, f.read())
+            except (OSError, ValueError, IndexError):
+                continue
+    raylets = {p for p, (pp, cmd) in procs.items() if pp == driver_pid and b"/raylet" in cmd}
+    return sorted(p for p, (pp, cmd) in procs.items() if pp in raylets and title.encode() in cmd)
+
+
+def inject(fault: str, server_pid: int) -> list[int]:
+    title, count = TITLES[fault]
+    pids = ray_processes(title, server_pid)[:count]
+    if len(pids) < count:
+        raise RuntimeError(f"{fault}: found {pids} for {title!r}")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return pids
+
+
+def run_fault(url: str, fault: str, server_pid: int, a: argparse.Namespace) -> dict[str, Any]:
+    outcomes: list[Outcome] = []
+    stop_event = threading.Event()
+    polled = Poll()
+    prompt = "The control plane survives its own faults. " * 4
+    model = Path(a.model).name  # tandem serve names the model after its directory
+
+    def client() -> None:
+        deadline = time.time() + a.max_window_s + a.warmup_s
+        while not stop_event.is_set() and time.time() < deadline:
+            out = stream(url, prompt, a.max_tokens, model)
+            outcomes.append(out)
+            if out.refused:
+                time.sleep(0.1)  # as a client does: try again a moment later
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(a.clients)]
+    poller = threading.Thread(target=poll, args=(url, polled, stop_event), daemon=True)
+    poller.start()
+    for t in threads:
+        t.start()
+    time.sleep(a.warmup_s)
+    fault_at = time.time()
+    pids = inject(fault, server_pid)
+    log(f"{fault}: killed {pids}")
+    # At least --min-window-s (a fault's effects can come late: a health check that fails on
+    # a restarting dependency gets the ingress replaced seconds after), then until the port
+    # has answered for --settle-s in a row.
+    while time.time() - fault_at < a.max_window_s:
+        time.sleep(0.5)
+        if time.time() - fault_at < a.min_window_s:
+            continue
+        recent = [ok for t, ok in zip(polled.times, polled.ok, strict=False) if t > fault_at]
+        tail = int(a.settle_s / 0.1)
+        if len(recent) > tail and all(recent[-tail:]):
+            break
+    stop_event.set()
+    for t in threads:
+        t.join(timeout=300)
+    poller.join(timeout=10)
+    after = [o for o in outcomes if o.sent > fault_at and o.first_token is not None]
+    sent = [o for o in outcomes if not o.refused]
+    failed = [o for o in sent if not o.ok]
+    return {
+        "fault": fault,
+        "requests": len(sent),
+        "refused_connections": len(outcomes) - len(sent),
+        "failed": len(failed),
+        "failed_status_before_token": sum(o.status not in (0, 200) for o in failed),
+        "failed_with_retry_after": sum(o.retry_after for o in failed),
+        "failed_cut_after_200": sum(o.status == 200 for o in failed),
+        "failed_connection": sum(o.status == 0 for o in failed),
+        "outage_s": round(polled.outage_s(fault_at), 2),
+        "routing_back_s": round(min(o.first_token for o in after) - fault_at, 2)  # type: ignore[type-var, operator]
+        if after
+        else None,
+        "window_s": round(time.time() - fault_at, 1),
+        "errors": sorted({o.error or "" for o in failed})[:5],
+    }
+
+
+def wait_serving(url: str, model: str, timeout_s: float = 300.0) -> None:
+    """Until the endpoint answers a short completion (all restarted after the last fault)."""
+    until = time.time() + timeout_s
+    while time.time() < until:
+        if stream(url, "ready?", 4, model).ok:
+            try:
+                if requests.get(f"{url}/health", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{url} did not serve again within {timeout_s:.0f} s")
+
+
+def wait_port_free(port: int, timeout_s: float = 180.0) -> None:
+    """Until ``port`` can be bound as a server binds it (a listener, or an old server's
+    connections still in TIME_WAIT without SO_REUSEADDR, make it busy)."""
+    until = time.time() + timeout_s
+    while True:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+                return
+            except OSError:
+                if time.time() > until:
+                    raise
+        time.sleep(1.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--topology", default=None, help="default: the repo's local.yaml")
+    p.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS))
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--warmup-s", type=float, default=5.0)
+    p.add_argument("--settle-s", type=float, default=5.0)
+    p.add_argument("--min-window-s", type=float, default=30.0)
+    p.add_argument("--max-window-s", type=float, default=240.0)
+    p.add_argument("--repo", default=str(ROOT), help="the Tandem checkout to serve from")
+    p.add_argument("--label", default="after")
+    a = p.parse_args()
+
+    repo = Path(a.repo).resolve()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(repo),  # the Ray workers import the same version as the driver
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+    }
+    cmd = [sys.executable, "-m", "tandem.cli", "serve", "--model", a.model, "--port", str(PORT)]
+    if a.topology:
+        cmd += ["--topology", a.topology]
+    url = f"http://127.0.0.1:{PORT}"
+    wait_port_free(PORT)  # a server still stopping there would answer for the new one
+    log(f"starting {' '.join(cmd)} in {repo}")
+    proc = subprocess.Popen(cmd, cwd=repo, env=env)
+    rows = []
+    try:
+        wait_healthy(PORT, proc, 600)
+        for fault in a.faults:
+            wait_serving(url, Path(a.model).name)
+            log(f"{fault}: {a.clients} clients, fault after {a.warmup_s:.0f} s")
+            row = run_fault(url, fault, proc.pid, a)
+            log(json.dumps(row))
+            rows.append(row)
+    finally:
+        stop(proc)
+    report(rows, a.label, {**vars(a), "repo": str(repo)})
+
+
+def report(rows: list[dict[str, Any]], label: str, args: dict[str, Any]) -> None:
+    head = f"{'fault':<14}{'outage s':>9}{'failed':>8}{'of':>5}{'status':>8}{'cut':>5}"
+    head += f"{'conn':>6}{'refused':>9}{'routing back s':>16}"
+    print(f"\nTandem ({label}): SIGKILL per fault, {args['clients']} streaming clients")
+    print(head)
+    for r in rows:
+        back = "-" if r["routing_back_s"] is None else f"{r['routing_back_s']:.2f}"
+        print(
+            f"{r['fault']:<14}{r['outage_s']:>9.1f}{r['failed']:>8}{r['requests']:>5}"
+            f"{r['failed_status_before_token']:>8}{r['failed_cut_after_200']:>5}"
+            f"{r['failed_connection']:>6}{r['refused_connections']:>9}{back:>16}"
+        )
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    name = f"fault_bench-{label}"
+    (RESULTS / f"{name}.json").write_text(json.dumps({"args": args, "rows": rows}, indent=2))
+    plot(rows, label, RESULTS / f"{name}.png")
+
+
+def plot(rows: list[dict[str, Any]], label: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    faults = [r["fault"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(faults, [r["outage_s"] for r in rows], color="tab:red")
+    left.set_ylabel("outage (s): refused or 5xx at the port")
+    right.bar(faults, [r["failed"] for r in rows], color="tab:orange", label="failed")
+    right.bar(faults, [r["requests"] - r["failed"] for r in rows], bottom=[r["failed"] for r in rows],
+              color="tab:green", label="complete")  # fmt: skip
+    right.set_ylabel("requests in the window")
+    right.legend()
+    fig.suptitle(f"Tandem ({label}): one SIGKILL per fault")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

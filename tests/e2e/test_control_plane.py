@@ -1,0 +1,424 @@
+"""The control plane's own faults, through the real endpoint under load (issue 15,
+docs/design.md#control-plane): the router actor killed (Ray's kill and SIGKILL of its
+process), the ingress replica's process killed, both decode workers killed, a decode worker
+killed with the retry budget spent, a worker gone for good -- and what ``/health``,
+``/v1/cluster`` and ``/metrics`` say meanwhile.
+
+One prefill and two decode workers; the retry budget is empty (``budget_burst: 0``), so any
+failed attempt before a first token would show as a 503: the router and ingress kills must
+fail none, and a started stream must migrate without the budget. Every completed answer is
+compared with the same prompt's answer before any fault (greedy): no token lost or repeated.
+A poller hits the port every 100 ms throughout and counts refused connections.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import requests
+
+from bench.fault_bench import ray_processes
+from contracts.actors import NAMESPACE, ROUTER_NAME
+
+pytestmark = pytest.mark.e2e
+MODEL = "test-llama"
+MAX_TOKENS = 48
+ENGINE = {"kv_cache_bytes": 4 * 2**20, "max_num_seqs": 8, "max_num_batched_tokens": 256}
+TOPOLOGY = """
+model: {{path: {path}, name: test-llama}}
+domains: [a, b]
+pools:
+  prefill: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
+  decode: {{replicas: 2, num_cpus: 0.5, engine: {engine}}}
+transport: grpc
+router:
+  local_prefill_max_tokens: 0
+  admission: {{unavailable_wait_s: 10}}
+retry: {{max_attempts: 4, budget_ratio: 0.0, budget_burst: 0.0, backoff_s: 0.0}}
+heartbeat_interval_s: 0.2
+heartbeat_timeout_s: 2.0
+"""
+PROMPTS = [f"control plane {i}: " + "word " * (8 * i) for i in range(4)]
+CACHED = "a long shared prefix the prefill worker keeps in its cache " * 4
+
+
+@pytest.fixture(scope="module")
+def server(
+    serve_app: Callable[[Path], str], test_llama: Path, tmp_path_factory: pytest.TempPathFactory
+) -> str:
+    topology = tmp_path_factory.mktemp("control") / "topology.yaml"
+    topology.write_text(TOPOLOGY.format(path=test_llama, engine=ENGINE))
+    return serve_app(topology)
+
+
+def body(prompt: str, max_tokens: int = MAX_TOKENS, stream: bool = True) -> dict[str, Any]:
+    return {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": stream,
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(server: str) -> dict[str, str]:
+    """Each prompt's answer before any fault."""
+    out = {}
+    for prompt in PROMPTS:
+        r = requests.post(f"{server}/v1/completions", json=body(prompt, stream=False), timeout=60)
+        assert r.status_code == 200, r.text
+        out[prompt] = r.json()["choices"][0]["text"]
+    return out
+
+
+@dataclass
+class Outcome:
+    prompt: str
+    status: int  # 0: no HTTP answer (connection refused or cut)
+    text: str = ""
+    error: str | None = None  # an error event in a 200 stream, or a non-200 body
+    retry_after: str | None = None
+    started: float = 0.0
+
+
+def stream(server: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Outcome:
+    started = time.time()
+    try:
+        with requests.post(
+            f"{server}/v1/completions", json=body(prompt, max_tokens), stream=True, timeout=120
+        ) as r:
+            if r.status_code != 200:
+                return Outcome(
+                    prompt, r.status_code, error=r.text,
+                    retry_after=r.headers.get("Retry-After"), started=started,
+                )  # fmt: skip
+            out = Outcome(prompt, 200, started=started)
+            for line in r.iter_lines():
+                if line.startswith(b"data: {"):
+                    chunk = json.loads(line.removeprefix(b"data: "))
+                    if "error" in chunk:
+                        out.error = chunk["error"]["message"]
+                    else:
+                        out.text += chunk["choices"][0]["text"]
+            return out
+    except requests.RequestException as e:
+        return Outcome(prompt, 0, error=repr(e), started=started)
+
+
+class Load:
+    """``clients`` threads sending streams back to back (bounded in count and time)."""
+
+    def __init__(self, server: str, clients: int, max_each: int = 100) -> None:
+        self.outcomes: list[Outcome] = []
+        self.stop = threading.Event()
+        self.threads = [
+            threading.Thread(target=self._client, args=(server, i, max_each), daemon=True)
+            for i in range(clients)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _client(self, server: str, i: int, max_each: int) -> None:
+        for n in range(max_each):
+            if self.stop.is_set():
+                return
+            self.outcomes.append(stream(server, PROMPTS[(i + n) % len(PROMPTS)]))
+
+    def join(self) -> list[Outcome]:
+        self.stop.set()
+        for t in self.threads:
+            t.join(timeout=180)
+        assert not any(t.is_alive() for t in self.threads), "a client hung"
+        return self.outcomes
+
+
+class Poller:
+    """GET /v1/models every 100 ms; counts refused connections and 5xx answers, and when the
+    port last refused."""
+
+    def __init__(self, server: str) -> None:
+        self.refused = self.server_errors = self.answered = 0
+        self.last_refused: float | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._poll, args=(server,), daemon=True)
+        self.thread.start()
+
+    def _poll(self, server: str) -> None:
+        while not self.stop.wait(0.1):
+            try:
+                status = requests.get(f"{server}/v1/models", timeout=5).status_code
+            except requests.RequestException:
+                self.refused += 1
+                self.last_refused = time.time()
+                continue
+            self.answered += 1
+            self.server_errors += status >= 500
+
+    def join(self) -> None:
+        self.stop.set()
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture
+def poller(server: str) -> Iterator[Poller]:
+    p = Poller(server)
+    yield p
+    p.join()
+
+
+def cluster(server: str) -> dict[str, Any]:
+    r = requests.get(f"{server}/v1/cluster", timeout=10)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+def wait_all_up(server: str, timeout_s: float = 90.0) -> None:
+    until = time.time() + timeout_s
+    while True:
+        try:
+            if all(w["state"] == "up" for w in cluster(server)["workers"]):
+                return
+        except (AssertionError, requests.RequestException):
+            pass
+        assert time.time() < until, "the workers did not all come back"
+        time.sleep(0.2)
+
+
+def assert_exact(outcomes: list[Outcome], reference: dict[str, str]) -> None:
+    """Every outcome a complete answer equal to its prompt's answer before the faults."""
+    bad = [o for o in outcomes if o.status != 200 or o.error or o.text != reference[o.prompt]]
+    assert not bad, bad[:3]
+
+
+def test_health_and_the_router_view_at_full_capacity(
+    server: str, reference: dict[str, str]
+) -> None:
+    r = requests.get(f"{server}/health", timeout=10)
+    assert (r.status_code, r.json()) == (
+        200,
+        {"status": "ok", "workers": 3, "down": [], "capacity": 1.0},
+    )
+    view = cluster(server)
+    assert [(w["name"], w["role"], w["domain"], w["state"]) for w in view["workers"]] == [
+        ("prefill-0", "prefill", "a", "up"),
+        ("decode-0", "decode", "a", "up"),
+        ("decode-1", "decode", "b", "up"),
+    ]
+    assert view["status"] == "ok" and view["retry_budget_tokens"] == 0.0
+    assert view["admission_queue"] == {"waiting": 0, "most_waiting": 0}
+    assert view["workers"][0]["cached_blocks"] > 0  # the reference prompts' blocks
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem.cli", "status", "--url", server],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == [
+        "worker", "role", "domain", "state", "running", "queued", "kv", "used", "cached", "blocks",
+    ]  # fmt: skip
+    assert [line.split()[:4] for line in lines[1:4]] == [
+        ["prefill-0", "prefill", "a", "up"],
+        ["decode-0", "decode", "a", "up"],
+        ["decode-1", "decode", "b", "up"],
+    ]
+    assert lines[4].startswith("status: ok; admission queue: 0 waiting")
+
+
+def router_hits(prompt: str, server: str) -> int:
+    """Serve ``prompt``; the prefix-cache blocks the router credited its prefill worker."""
+    r = requests.post(f"{server}/v1/completions", json=body(prompt, 4, False), timeout=60)
+    assert r.status_code == 200, r.text
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    last = ray.get(router.decisions.remote(), timeout=30)[-1]
+    return int(last["hit_blocks"])
+
+
+def credited_soon(server: str, timeout_s: float = 10.0) -> bool:
+    """Whether a request with ``CACHED``'s prefix is credited its cache within ``timeout_s``
+    (the worker's report of the blocks, or its resync to a new router, is asynchronous)."""
+    until = time.time() + timeout_s
+    n = 0
+    while time.time() < until:
+        n += 1
+        if router_hits(f"{CACHED}{n} {time.time()}", server) > 0:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("how", ["ray.kill", "SIGKILL"])
+def test_a_router_kill_under_load_fails_no_request_and_refuses_no_connection(
+    server: str, reference: dict[str, str], poller: Poller, how: str
+) -> None:
+    """Ray restarts the router; the workers resync to it; requests routed meanwhile wait.
+    No request fails, none changes, the port never refuses, and the prefix cache is credited
+    again after the restart (rebuilt from the resyncs)."""
+    assert credited_soon(server)
+    load = Load(server, clients=8)
+    time.sleep(1.5)
+    killed_at = time.time()
+    if how == "ray.kill":
+        ray.kill(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE), no_restart=False)
+    else:
+        (pid,) = ray_processes("ray::RouterActor", os.getpid())
+        os.kill(pid, signal.SIGKILL)
+    until = killed_at + 60
+    while not any(o.started > killed_at and o.status for o in load.outcomes):
+        assert time.time() < until, "nothing sent after the kill was answered"
+        time.sleep(0.1)  # (a request sent after the kill has been answered: routing is back)
+    time.sleep(1.0)
+    outcomes = load.join()
+    assert_exact(outcomes, reference)
+    assert (poller.refused, poller.server_errors) == (0, 0) and poller.answered > 20
+    assert credited_soon(server)  # the index rebuilt from the resyncs
+
+
+def test_the_ingress_replica_killed_comes_back_on_its_port_with_the_same_cluster(
+    server: str, reference: dict[str, str], poller: Poller
+) -> None:
+    """SIGKILL of the ingress replica's process under load: Serve starts another, which
+    attaches to the running cluster (same actors, caches kept) and answers on the same port
+    within seconds. Requests the dead replica held are cut (their connections are gone)."""
+    names = ["prefill-0", "decode-0", "decode-1", ROUTER_NAME]
+    ids = {n: ray.get_actor(n, namespace=NAMESPACE)._actor_id.hex() for n in names}
+    cached = cluster(server)["workers"][0]["cached_blocks"]
+    load = Load(server, clients=4)
+    time.sleep(1.0)
+    (pid,) = ray_processes("ServeReplica:tandem:tandem-ingress", os.getpid())
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    until = killed_at + 30
+    while True:  # answering again: a request served end to end by the new replica
+        o = stream(server, PROMPTS[0])
+        if o.status == 200 and not o.error:
+            break
+        assert time.time() < until, o
+        time.sleep(0.1)
+    back_in = time.time() - killed_at
+    load.join()
+    assert back_in < 10.0, f"the port answered again after {back_in:.1f} s"
+    assert o.text == reference[PROMPTS[0]]
+    assert {n: ray.get_actor(n, namespace=NAMESPACE)._actor_id.hex() for n in names} == ids
+    assert cluster(server)["workers"][0]["cached_blocks"] >= cached
+    assert router_hits(CACHED + "again", server) > 0  # credited at once: same router
+    assert_exact([stream(server, p) for p in PROMPTS], reference)
+
+
+def test_both_decode_workers_killed_requests_wait_or_get_a_status_before_any_header(
+    server: str, reference: dict[str, str]
+) -> None:
+    """Both decode workers die (Ray restarts them). A stream with tokens migrates once a
+    decode worker is back and completes exactly; a request without tokens waits and completes,
+    or -- the retry budget being empty -- is refused with 503 and Retry-After as its HTTP
+    status. Never a 200 cut by an error event."""
+    wait_all_up(server)
+    load = Load(server, clients=6)
+    time.sleep(1.5)
+    for name in ("decode-0", "decode-1"):
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
+    time.sleep(2.0)
+    wait_all_up(server)
+    time.sleep(2.0)
+    outcomes = load.join()
+    refused = [o for o in outcomes if o.status == 503]
+    assert all(o.retry_after == "5" for o in refused), refused[:3]
+    assert_exact([o for o in outcomes if o.status != 503], reference)
+    assert len(refused) < len(outcomes) / 2
+
+
+def test_with_the_retry_budget_spent_every_started_stream_migrates(
+    server: str, reference: dict[str, str]
+) -> None:
+    """The budget is empty, yet every stream that has tokens when its decode worker is killed
+    migrates to the other one and completes token-exact: the budget limits retries before a
+    first token, never the rescue of a started stream."""
+    wait_all_up(server)
+    n = 2000
+    long_ref = requests.post(
+        f"{server}/v1/completions", json=body(PROMPTS[1], n, False), timeout=120
+    ).json()["choices"][0]["text"]
+    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+    before = len(ray.get(router.decisions.remote(), timeout=30))
+    results: list[Outcome] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(stream(server, PROMPTS[1], n)))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # all four are streaming
+    serving = [d["decode"] for d in ray.get(router.decisions.remote(), timeout=30)[before:]]
+    busiest = max(set(serving), key=serving.count)
+    ray.kill(ray.get_actor(busiest, namespace=NAMESPACE), no_restart=False)
+    for t in threads:
+        t.join(timeout=180)
+    assert not results or len(results) == 4
+    assert [(o.status, o.error) for o in results] == [(200, None)] * 4
+    assert all(o.text == long_ref for o in results)
+    decisions = ray.get(router.decisions.remote(), timeout=30)[before:]
+    migrated = [d for d in decisions if d["request_id"].endswith("@2")]
+    assert migrated and {d["decode"] for d in migrated} == {"decode-0", "decode-1"} - {busiest}
+    assert metric(server, "tandem_retry_budget_tokens") == "0.0"
+    assert reference  # the module's reference answers were taken before any fault
+
+
+def metric(server: str, name: str, **labels: str) -> str | None:
+    """The value of ``name``'s sample with exactly ``labels``, as text (None: not exported)."""
+    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
+    for line in requests.get(f"{server}/metrics", timeout=10).text.splitlines():
+        if line.rsplit(" ", 1)[0] == want:
+            return line.rsplit(" ", 1)[1]
+    return None
+
+
+def test_a_worker_gone_for_good_is_reported_down_then_nothing_can_serve(server: str) -> None:
+    """Last (it kills both decode workers for good). One gone: /health 200 degraded naming it
+    with half the decode slots; ``tandem_worker_up`` 0 and its load gauges gone; requests are
+    still served. Both gone: /health 503 with Retry-After, and a request waits
+    ``unavailable_wait_s`` then gets 503 + Retry-After as its status."""
+    wait_all_up(server)
+    assert metric(server, "tandem_worker_up", worker="decode-1") == "1.0"
+    ray.kill(ray.get_actor("decode-1", namespace=NAMESPACE), no_restart=True)
+    until = time.time() + 30
+    while (r := requests.get(f"{server}/health", timeout=10)).json()["status"] == "ok":
+        assert time.time() < until
+        time.sleep(0.2)
+    assert (r.status_code, r.json()) == (
+        200,
+        {"status": "degraded", "workers": 3, "down": ["decode-1"], "capacity": 0.5},
+    )
+    assert metric(server, "tandem_worker_up", worker="decode-1") == "0.0"
+    assert metric(server, "tandem_kv_usage_ratio", worker="decode-1") is None
+    assert metric(server, "tandem_kv_usage_ratio", worker="decode-0") is not None
+    assert stream(server, PROMPTS[2]).status == 200
+    ray.kill(ray.get_actor("decode-0", namespace=NAMESPACE), no_restart=True)
+    until = time.time() + 30
+    while (r := requests.get(f"{server}/health", timeout=10)).status_code == 200:
+        assert time.time() < until
+        time.sleep(0.2)
+    assert (r.status_code, r.headers["Retry-After"], r.json()) == (
+        503,
+        "5",
+        {"status": "unavailable", "workers": 3, "down": ["decode-0", "decode-1"], "capacity": 0.0},
+    )
+    start = time.time()
+    o = stream(server, PROMPTS[2])
+    assert (o.status, o.retry_after) == (503, "5")
+    assert json.loads(o.error or "")["error"]["code"] == "no_replica_available"
+    assert 10.0 <= time.time() - start < 20.0
