@@ -302,3 +302,18 @@ def test_topology_files_are_found() -> None:
 @pytest.mark.parametrize("name", TOPOLOGY_FILES)
 def test_every_topology_file_loads(name: str) -> None:
     assert load_topology(DEPLOY / "topologies" / name).workers()
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_the_application_runs_the_topologys_ingress_replicas(tmp_path: Path, replicas: int) -> None:
+    """``serve.num_replicas`` is the ingress deployment's replica count (the replicas share
+    the cluster: they attach to its detached actors, test_cluster_modes.py)."""
+    from tandem.deployment import app_builder
+
+    topology = tmp_path / "topology.yaml"
+    topology.write_text(
+        "model: {demo_size: test}\npools:\n  colocated: {replicas: 1}\n"
+        f"serve: {{num_replicas: {replicas}}}\n"
+    )
+    app = app_builder({"topology": str(topology)})
+    assert app._bound_deployment.num_replicas == replicas
