@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -49,6 +48,7 @@ from typing import Any
 import requests
 
 from bench.served_bench import stop, wait_healthy
+from tandem.serve import wait_port_free
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -242,22 +242,6 @@ def wait_serving(url: str, model: str, timeout_s: float = 300.0) -> None:
     raise TimeoutError(f"{url} did not serve again within {timeout_s:.0f} s")
 
 
-def wait_port_free(port: int, timeout_s: float = 180.0) -> None:
-    """Until ``port`` can be bound as a server binds it (a listener, or an old server's
-    connections still in TIME_WAIT without SO_REUSEADDR, make it busy)."""
-    until = time.time() + timeout_s
-    while True:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", port))
-                return
-            except OSError:
-                if time.time() > until:
-                    raise
-        time.sleep(1.0)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True)
@@ -284,7 +268,7 @@ def main() -> None:
     if a.topology:
         cmd += ["--topology", a.topology]
     url = f"http://127.0.0.1:{PORT}"
-    wait_port_free(PORT)  # a server still stopping there would answer for the new one
+    wait_port_free("127.0.0.1", PORT, 180.0)  # a server still stopping would answer instead
     log(f"starting {' '.join(cmd)} in {repo}")
     proc = subprocess.Popen(cmd, cwd=repo, env=env)
     rows = []

@@ -57,6 +57,20 @@ def free_port(host: str, port: int = 0) -> int:
         return int(s.getsockname()[1])
 
 
+def wait_port_free(host: str, port: int, timeout_s: float) -> None:
+    """Until ``port`` is free to listen on (:func:`free_port`'s test: a server stopped a moment
+    ago may still be listening); TimeoutError after ``timeout_s``."""
+    until = time.time() + timeout_s
+    while True:
+        try:
+            free_port(host, port)
+            return
+        except ValueError as e:
+            if time.time() > until:
+                raise TimeoutError(f"{e} after {timeout_s:.0f} s") from e
+        time.sleep(0.1)
+
+
 def deploy(topology: Path, model: Path | None, host: str, port: int, address: str | None) -> str:
     """Deploy the application; returns the base URL. A Ray this starts serves HTTP from the
     ingress replica (:func:`direct_ingress_env`) when there is one replica; a cluster joined

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ import ray
 
 from contracts.actors import NAMESPACE, ROUTER_NAME
 from tandem.launch import stop_cluster
-from tandem.serve import free_port, wait_until_ready
+from tandem.serve import free_port, wait_port_free, wait_until_ready
 from tandem.topology import load_topology
 
 ServeApp = Callable[[Path], str]
@@ -30,21 +29,6 @@ def _wait_actors_gone(names: list[str], timeout_s: float = 60.0) -> None:
                 break
             assert time.time() < until, f"actor {name} outlived its application"
             time.sleep(0.1)
-
-
-def _wait_port_free(port: int, timeout_s: float = 60.0) -> None:
-    """Until nothing listens on ``port`` (bound as uvicorn binds, SO_REUSEADDR: the closed
-    connections the old replica left in TIME_WAIT do not count)."""
-    until = time.time() + timeout_s
-    while True:
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("127.0.0.1", port))
-                return
-            except OSError:
-                assert time.time() < until, f"port {port} still in use"
-        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +50,9 @@ def serve_app(ray_session: None, direct_ingress_port: int) -> Iterator[ServeApp]
         names.extend([ROUTER_NAME, *(w.name for w in load_topology(topology).workers())])
         topologies.append(topology)
         _wait_actors_gone(names)  # a previous module's cluster
-        _wait_port_free(direct_ingress_port)  # and its ingress replica (Serve would block it)
+        wait_port_free(
+            "127.0.0.1", direct_ingress_port, 60.0
+        )  # and its ingress replica (Serve would block it)
         serve.start(http_options={"host": "127.0.0.1", "port": proxy_port})
         serve.run(app_builder({"topology": str(topology)}), name="tandem", blocking=False)
         url = f"http://127.0.0.1:{direct_ingress_port}"

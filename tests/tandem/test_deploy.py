@@ -317,3 +317,27 @@ def test_the_application_runs_the_topologys_ingress_replicas(tmp_path: Path, rep
     )
     app = app_builder({"topology": str(topology)})
     assert app._bound_deployment.num_replicas == replicas
+
+
+@pytest.mark.e2e  # it listens on a loopback port
+def test_a_port_is_waited_for_until_its_listener_goes() -> None:
+    """``tandem serve``'s port check, waiting: busy while something listens there, free as
+    soon as it stops (its connections left in TIME_WAIT do not count: SO_REUSEADDR)."""
+    import threading
+    import time
+
+    from tandem.serve import free_port, wait_port_free
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    with pytest.raises(ValueError, match=f"cannot listen on 127.0.0.1:{port}"):
+        free_port("127.0.0.1", port)
+    with pytest.raises(TimeoutError):
+        wait_port_free("127.0.0.1", port, 0.2)
+    threading.Timer(0.3, listener.close).start()
+    start = time.time()
+    wait_port_free("127.0.0.1", port, 10.0)
+    assert 0.3 <= time.time() - start < 5.0
+    assert free_port("127.0.0.1", port) == port
