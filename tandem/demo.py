@@ -11,10 +11,15 @@ from engine.demo_model import Size, write_demo_checkpoint
 DEFAULT_DEMO_SIZE: Size = "tiny"
 
 
+def tandem_home() -> Path:
+    """Where Tandem keeps what it builds once per machine (``$TANDEM_HOME``, else
+    ~/.cache/tandem): the demo checkpoints, the tests' real model."""
+    return Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
+
+
 def demo_model_dir(size: str = DEFAULT_DEMO_SIZE) -> Path:
-    """Where the demo checkpoint of ``size`` lives (``$TANDEM_HOME``, else ~/.cache/tandem)."""
-    home = Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
-    return home / f"demo-{size}-llama"
+    """Where the demo checkpoint of ``size`` lives."""
+    return tandem_home() / f"demo-{size}-llama"
 
 
 def ensure_demo_model(size: str = DEFAULT_DEMO_SIZE) -> Path:
