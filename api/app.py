@@ -46,7 +46,7 @@ from typing import Any, Literal, TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
+from ray.exceptions import ActorUnavailableError, RayActorError
 
 from api import protocol
 from api.gate import IngressGate, Rejected, Ticket
@@ -166,19 +166,15 @@ class Service:
         (the router, workers) make it degraded, not broken: Serve keeps the replica."""
         try:
             await asyncio.wait_for(self.router.key(), ROUTER_CALL_TIMEOUT_S)
-        except ActorDiedError:
-            raise
-        except (ActorUnavailableError, TimeoutError):
+        except (ActorUnavailableError, TimeoutError):  # ActorDiedError goes to Serve
             logger.info("health check: the router is restarting")
 
     async def cluster(self) -> Response:
         """The router's view, for operators (``GET /v1/cluster``, ``tandem status``)."""
         try:
             states = await self._worker_states()
-            waiting, deepest = await asyncio.wait_for(
-                self.router.queue_stats(), ROUTER_CALL_TIMEOUT_S
-            )
-        except (RouterUnavailable, ActorUnavailableError, TimeoutError) as exc:
+            waiting, deepest = await _ask_router(self.router.queue_stats())
+        except RouterUnavailable as exc:
             err = APIError(503, f"the router's view is unavailable: {exc}", code="unavailable")
             return JSONResponse(err.body(), status_code=503, headers=_RETRY_SOON)
         return JSONResponse(
@@ -191,17 +187,14 @@ class Service:
         )
 
     async def _worker_states(self) -> list[WorkerState]:
-        try:
-            return await asyncio.wait_for(self.router.worker_states(), ROUTER_CALL_TIMEOUT_S)
-        except (RayActorError, TimeoutError) as exc:
-            raise RouterUnavailable(f"the router is not answering ({type(exc).__name__})") from exc
+        return await _ask_router(self.router.worker_states())
 
     async def metrics_response(self) -> Response:
         """The ingress's own metrics always; the workers' gauges as the router last saw them
         (left as they were while the router does not answer)."""
         await self._collect_transfers()
         self.metrics.retry_budget.set(self.coordinator.budget.tokens)
-        with contextlib.suppress(RouterUnavailable, ActorUnavailableError, TimeoutError):
+        with contextlib.suppress(RouterUnavailable):
             for s in await self._worker_states():
                 if s.healthy:
                     self.metrics.set_worker(
@@ -209,8 +202,7 @@ class Service:
                     )
                 else:
                     self.metrics.worker_down(s.name)
-            stats = asyncio.wait_for(self.router.queue_stats(), ROUTER_CALL_TIMEOUT_S)
-            waiting, _ = await stats
+            waiting, _ = await _ask_router(self.router.queue_stats())
             self.metrics.admission_queue.set(waiting)
         text, content_type = self.metrics.render()
         return Response(text, media_type=content_type)
@@ -584,6 +576,16 @@ class RouterUnavailable(RuntimeError):
 
 
 ROUTER_CALL_TIMEOUT_S = 2.0  # an operator's view waits no longer for a restarting router
+
+
+async def _ask_router(call: Awaitable[_T]) -> _T:
+    """The router's answer within ROUTER_CALL_TIMEOUT_S, else RouterUnavailable."""
+    try:
+        return await asyncio.wait_for(call, ROUTER_CALL_TIMEOUT_S)
+    except (RayActorError, TimeoutError) as exc:
+        raise RouterUnavailable(f"the router is not answering ({type(exc).__name__})") from exc
+
+
 _RETRY_SOON = {"Retry-After": str(int(UNAVAILABLE_RETRY_AFTER_S))}
 _SERVING_ROLES = (Role.DECODE, Role.COLOCATED)  # where requests are decoded
 

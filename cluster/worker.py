@@ -149,6 +149,7 @@ class EngineWorker:
 
     def _find_router(self) -> None:
         """The router actor, by name (None in tests without one, or while none is there)."""
+        self.router = None
         if self._router_name is not None:
             try:
                 handle = ray.get_actor(self._router_name, namespace=self._namespace)

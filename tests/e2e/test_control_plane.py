@@ -342,9 +342,7 @@ def test_both_decode_workers_killed_requests_wait_or_get_a_status_before_any_hea
     assert len(refused) < len(outcomes) / 2
 
 
-def test_with_the_retry_budget_spent_every_started_stream_migrates(
-    server: str, reference: dict[str, str]
-) -> None:
+def test_with_the_retry_budget_spent_every_started_stream_migrates(server: str) -> None:
     """The budget is empty, yet every stream that has tokens when its decode worker is killed
     migrates to the other one and completes token-exact: the budget limits retries before a
     first token, never the rescue of a started stream."""
@@ -368,14 +366,12 @@ def test_with_the_retry_budget_spent_every_started_stream_migrates(
     ray.kill(ray.get_actor(busiest, namespace=NAMESPACE), no_restart=False)
     for t in threads:
         t.join(timeout=180)
-    assert not results or len(results) == 4
     assert [(o.status, o.error) for o in results] == [(200, None)] * 4
     assert all(o.text == long_ref for o in results)
     decisions = ray.get(router.decisions.remote(), timeout=30)[before:]
     migrated = [d for d in decisions if d["request_id"].endswith("@2")]
     assert migrated and {d["decode"] for d in migrated} == {"decode-0", "decode-1"} - {busiest}
     assert metric(server, "tandem_retry_budget_tokens") == "0.0"
-    assert reference  # the module's reference answers were taken before any fault
 
 
 def metric(server: str, name: str, **labels: str) -> str | None:
