@@ -38,10 +38,11 @@ import asyncio
 import contextlib
 import logging
 import math
+import secrets
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, TypeVar
 
 from fastapi import Request, Response
@@ -86,6 +87,8 @@ class _Choice:
     text: str = ""
     finish_reason: FinishReason | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first delta, if asked
+    started: bool = False  # a delta came (a stream's first chunk carries the prompt's report)
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,10 @@ class _Job:
     deadline: float | None
     arrival: float
     priority: int
+    # Completions: what each choice reports of its prompt, and the text echo shows of it.
+    report: protocol.PromptReport = protocol.PromptReport()
+    prompt_texts: list[str] = field(default_factory=list)  # one per choice, with echo
+    score_only: bool = False  # max_tokens 0 (echo): drop the one token the engine samples
 
 
 class Service:
@@ -312,6 +319,7 @@ class Service:
     ) -> _Job:
         protocol.check_content_type(headers.get("content-type"))
         max_choices = self.gate.config.max_choices
+        report, texts = protocol.PromptReport(), []
         if kind == "chat":
             req: Any = protocol.parse_chat(body)
             protocol.check_model(req.model, [self.model_name])
@@ -322,12 +330,17 @@ class Service:
             protocol.check_model(req.model, [self.model_name])
             protocol.check_choices(len(req.prompt), req.n, max_choices)
             prompts = protocol.completion_prompts(req, self.tokenizer)
+            report = req.prompt_report
+            if report.echo:
+                texts = protocol.echo_texts(req, prompts, self.tokenizer)
         timeout_s = self._timeout(headers.get(TIMEOUT_HEADER), req.timeout)
         longest = max(len(p) for p in prompts)
         default_max = max(self.max_model_len - longest, 1)
         base = protocol.sampling_params(
             req, vocab_size=self.vocab_size, default_max_tokens=default_max
         )
+        if base.seed is None:  # drawn once here: every choice and every retry shares it
+            base = replace(base, seed=secrets.randbits(63))
         for p in prompts:
             if len(p) + base.max_tokens > self.max_model_len:
                 raise APIError(
@@ -342,9 +355,12 @@ class Service:
             for i in range(req.n):
                 choice_prompts.append(p)
                 choice_params.append(protocol.choice_params(base, i))
+        choice_texts = [t for t in texts for _ in range(req.n)]
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return _Job(
-            meta=protocol.ResponseMeta(f"{prefix}-{uuid.uuid4().hex}", req.model, int(arrival)),
+            meta=protocol.ResponseMeta(
+                f"{prefix}-{uuid.uuid4().hex}", req.model, int(arrival), seed=base.seed
+            ),
             chat=kind == "chat",
             prompts=choice_prompts,
             params=choice_params,
@@ -356,6 +372,9 @@ class Service:
             deadline=None if timeout_s is None else arrival + timeout_s,
             arrival=arrival,
             priority=req.priority,
+            report=report,
+            prompt_texts=choice_texts,
+            score_only=report.echo and req.max_tokens == 0,
         )
 
     async def _complete(
@@ -379,11 +398,22 @@ class Service:
                 c.token_ids,
                 c.finish_reason or FinishReason.MAX_TOKENS,
                 c.logprobs if job.logprobs else None,
+                None if job.chat else _prompt(job, c.index, c.prompt_logprobs),
             )
             for c in choices
         ]
-        build = protocol.chat_response if job.chat else protocol.completion_response
-        body = build(job.meta, done, prompt_tokens=job.prompt_tokens, tokenizer=self.tokenizer)
+        if job.chat:
+            body = protocol.chat_response(
+                job.meta, done, prompt_tokens=job.prompt_tokens, tokenizer=self.tokenizer
+            )
+        else:
+            body = protocol.completion_response(
+                job.meta,
+                done,
+                prompt_tokens=job.prompt_tokens,
+                tokenizer=self.tokenizer,
+                report=job.report,
+            )
         return JSONResponse(body)
 
     async def _stream(
@@ -443,18 +473,22 @@ class Service:
             if finish is not None:
                 out.append(protocol.chat_chunk(job.meta, choice.index, finish_reason=finish))
             return out
-        lp = None
-        if job.logprobs and delta.logprobs:
-            lp = protocol.completion_logprobs(
-                self.tokenizer, delta.token_ids, delta.logprobs, text_offset=len(choice.text)
+        lps = delta.logprobs if job.logprobs else None
+        if not choice.started:  # the first chunk: what the choice reports of its prompt leads
+            prompt = _prompt(job, choice.index, delta.prompt_logprobs)
+            fields = protocol.completion_fields(
+                self.tokenizer, job.report, prompt, delta.text, delta.token_ids, lps
             )
-        if not delta.text and lp is None and finish is None:
+        else:
+            echoed = len(job.prompt_texts[choice.index]) if job.report.echo else 0
+            fields = {"text": delta.text, "logprobs": None}
+            if lps:
+                fields["logprobs"] = protocol.completion_logprobs(
+                    self.tokenizer, delta.token_ids, lps, text_offset=echoed + len(choice.text)
+                )
+        if not fields["text"] and fields["logprobs"] is None and finish is None:
             return []
-        return [
-            protocol.completion_chunk(
-                job.meta, choice.index, delta.text, finish_reason=finish, logprobs=lp
-            )
-        ]
+        return [protocol.completion_chunk(job.meta, choice.index, finish_reason=finish, **fields)]
 
     async def _run(self, job: _Job) -> AsyncGenerator[tuple[int, ClientDelta], None]:
         """Run every choice concurrently; yield (choice index, delta) as they come. Raises
@@ -482,7 +516,7 @@ class Service:
                 async with contextlib.aclosing(run):
                     async for delta in run:
                         timing.emitted(delta)
-                        await ready.put((index, delta))
+                        await ready.put((index, _no_tokens(delta) if job.score_only else delta))
             except Exception as exc:
                 outcome = exc
             finally:  # one record per choice, a cancelled one (the client went away) too
@@ -548,12 +582,33 @@ class _Timing:
 
 
 def _absorb(choice: _Choice, delta: ClientDelta) -> None:
+    choice.started = True
     choice.token_ids.extend(delta.token_ids)
     choice.text += delta.text
     if delta.logprobs:
         choice.logprobs.extend(delta.logprobs)
+    if delta.prompt_logprobs is not None:
+        choice.prompt_logprobs = delta.prompt_logprobs
     if delta.finished:
         choice.finish_reason = delta.finish_reason
+
+
+def _prompt(job: _Job, index: int, logprobs: list[TokenLogprobs | None] | None) -> protocol.Prompt:
+    """Choice ``index``'s prompt, for what it reports of it (``job.report``)."""
+    text = job.prompt_texts[index] if job.report.echo else ""
+    return protocol.Prompt(text, job.prompts[index], logprobs)
+
+
+def _no_tokens(delta: ClientDelta) -> ClientDelta:
+    """``max_tokens: 0`` with echo: the prompt is scored and the token the engine sampled
+    after it (it always samples one) dropped; the choice ends ``length``, as vLLM's."""
+    return replace(
+        delta,
+        token_ids=[],
+        text="",
+        logprobs=None if delta.logprobs is None else [],
+        finish_reason=FinishReason.MAX_TOKENS if delta.finished else None,
+    )
 
 
 def _timeout_s(job: _Job) -> float:

@@ -8,15 +8,21 @@ Decisions the app relies on:
 
 - **Unknown fields are rejected (400)**, not ignored as vLLM does: a misspelt ``temprature``
   silently sampling at T=1 is worse than a clear error. OpenAI fields this server does not
-  implement (``tools``, ``echo``, ``best_of``, ``response_format``...) are unknown fields too.
+  implement (``tools``, ``best_of``, ``response_format``...) are unknown fields too.
   The engine's extras (``top_k``, ``min_p``... what the openai client sends via ``extra_body``)
   are top-level fields.
 - **Types are strict**: ``"0.5"`` is not a number and ``true`` is not an integer.
 - **One SamplingParams per choice**: the cluster serves n=1 per request, so
   ``sampling_params`` returns ``n=1`` and the app runs ``len(prompts) * req.n`` requests,
-  choice ``prompt_i * n + j`` with ``choice_params(params, j)``. A seeded choice j > 0 gets
-  the seed the engine itself gives sample j of an n > 1 request, so a seeded n=2 request draws
-  the same texts through the cluster as through one engine.
+  choice ``prompt_i * n + j`` with ``choice_params(params, j)``: the request's seed (drawn by
+  the app when the client gives none, and reported as the responses' top-level ``seed``) and
+  choice index j, the key the engine itself gives sample j of an n > 1 request, so a seeded
+  n=2 request draws the same texts through the cluster as through one engine.
+- **Scoring a prompt** (completions): ``echo`` and vLLM's ``prompt_logprobs``
+  (:class:`PromptReport`). The engine computes the prompt's logprobs in its prefill, the same
+  way it computes a generated token's, so a token scored in a prompt has the bits it had when
+  it was sampled. ``max_tokens: 0`` (only with ``echo``) scores the prompt alone: the engine
+  still samples one token (it always does), which the app drops.
 - **Finish reasons** are the engine's :class:`FinishReason` up to here; this module's
   :func:`openai_finish_reason` is the one place OpenAI's strings are made: an EOS, stop token
   or stop string is ``stop``; max tokens or the context limit ``length``; a deadline that passed
@@ -44,7 +50,7 @@ from pydantic import (
 )
 
 from engine.request import FinishReason
-from engine.sampler import TokenLogprobs, request_seed
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import InvalidSamplingParams, SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -294,7 +300,36 @@ class CompletionRequest(_SamplingFields):
     becomes a batch of one."""
 
     prompt: Annotated[list[str | list[int]], _PROMPT_SCHEMA]  # all strings or all token lists
+    max_tokens: int | None = Field(
+        default=None,
+        ge=0,
+        description="at most the context length left after the prompt; 0 (only with echo) "
+        "scores the prompt alone",
+    )
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = Field(
+        default=False,
+        description="the prompt leads each choice's text and, with logprobs, its logprobs",
+    )
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_LOGPROBS,
+        description="each choice's prompt_logprobs (vLLM's): per prompt token, null for the "
+        "first, else {token id: {logprob, rank, decoded_token}} for it and this many top ones",
+    )
+
+    @model_validator(mode="after")
+    def _no_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise _CrossFieldError(
+                "max_tokens", "must be >= 1 (0 only with echo: the prompt scored alone)"
+            )
+        return self
+
+    @property
+    def prompt_report(self) -> PromptReport:
+        return PromptReport(self.echo, self.logprobs, self.prompt_logprobs)
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -457,8 +492,10 @@ def sampling_params(
     if isinstance(req, ChatCompletionRequest):
         max_tokens = req.max_completion_tokens or max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = None
     else:
         logprobs = req.logprobs
+        prompt_logprobs = req.prompt_report.num_prompt_logprobs
     if max_tokens is None:
         max_tokens = default_max_tokens
     if req.min_tokens > max_tokens:
@@ -473,7 +510,7 @@ def sampling_params(
     try:
         return SamplingParams(
             n=1,
-            max_tokens=max_tokens,
+            max_tokens=1 if req.max_tokens == 0 else max_tokens,  # 0: the prompt scored alone
             min_tokens=req.min_tokens,
             temperature=req.temperature,
             top_k=max(req.top_k, 0),
@@ -490,6 +527,7 @@ def sampling_params(
             include_stop_str_in_output=req.include_stop_str_in_output,
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except InvalidSamplingParams as exc:  # e.g. default_max_tokens < 1: no room left
         field = str(exc).split("=", 1)[0]
@@ -497,14 +535,10 @@ def sampling_params(
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
-    """The parameters of choice ``choice`` (0-based, within one prompt) of an n > 1 request.
-
-    Seeded: choice 0 keeps the seed and choice j gets the seed the engine gives sample j, so
-    the choices differ and each is reproducible. Unseeded: unchanged (the cluster seeds each
-    request from its own id)."""
-    if params.seed is None or choice == 0:
-        return params
-    return replace(params, seed=request_seed(params.seed, "", 0, choice))
+    """The parameters of choice ``choice`` (0-based, within one prompt) of an n > 1 request:
+    the same seed, drawing stream ``choice`` of it (docs/design.md#sampling-seeds), as the
+    engine's own sample ``choice`` does, so the choices differ and each is reproducible."""
+    return params if choice == 0 else replace(params, choice=choice)
 
 
 def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[list[int]]:
@@ -520,6 +554,16 @@ def completion_prompts(req: CompletionRequest, tokenizer: Tokenizer) -> list[lis
         _check_vocab(ids, tokenizer.vocab_size, "prompt")
         prompts.append(ids)
     return prompts
+
+
+def echo_texts(
+    req: CompletionRequest, prompts: Sequence[Sequence[int]], tokenizer: Tokenizer
+) -> list[str]:
+    """What ``echo`` shows of each prompt: its text as sent, or its token ids decoded."""
+    return [
+        item if isinstance(item, str) else tokenizer.decode(ids)
+        for item, ids in zip(req.prompt, prompts, strict=True)
+    ]
 
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
@@ -576,11 +620,53 @@ def openai_finish_reason(reason: FinishReason) -> str:
 @dataclass(frozen=True)
 class ResponseMeta:
     """What every object of one response shares: ``id`` (``cmpl-...`` / ``chatcmpl-...``),
-    the model id the client asked for, and the Unix time of creation."""
+    the model id the client asked for, the Unix time of creation and the seed the choices drew
+    from (an extra top-level ``seed``, when known: resending it reproduces the response)."""
 
     id: str
     model: str
     created: int
+    seed: int | None = None
+
+
+def _head(meta: ResponseMeta, object: str) -> dict[str, Any]:
+    """The leading fields of every object of one response."""
+    head: dict[str, Any] = {
+        "id": meta.id,
+        "object": object,
+        "created": meta.created,
+        "model": meta.model,
+    }
+    if meta.seed is not None:
+        head["seed"] = meta.seed
+    return head
+
+
+@dataclass(frozen=True)
+class PromptReport:
+    """What each choice of a completions request reports of its prompt. ``echo``: the prompt's
+    text leads the choice's text and, with ``logprobs``, its tokens lead the ``logprobs``
+    object (the first token's logprob and top_logprobs null: nothing predicts it), OpenAI's
+    legacy scoring. ``prompt_logprobs``: vLLM's extra choice field of that name."""
+
+    echo: bool = False
+    logprobs: int | None = None  # the request's: the alternatives an echoed token shows
+    prompt_logprobs: int | None = None
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """The alternatives the engine computes per prompt token (both fields' most)."""
+        wanted = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        return max((k for k in wanted if k is not None), default=None)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One choice's prompt, for what a :class:`PromptReport` shows of it."""
+
+    text: str  # what echo shows: the request's prompt text, or its token ids decoded
+    token_ids: Sequence[int]
+    logprobs: Sequence[TokenLogprobs | None] | None = None  # the engine's, when computed
 
 
 @dataclass(frozen=True)
@@ -592,6 +678,7 @@ class Choice:
     token_ids: Sequence[int]
     finish_reason: FinishReason
     logprobs: Sequence[TokenLogprobs] | None = None
+    prompt: Prompt | None = None  # completions: what ``report`` shows of it leads the choice
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -604,21 +691,20 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 def completion_response(
-    meta: ResponseMeta, choices: Sequence[Choice], *, prompt_tokens: int, tokenizer: Tokenizer
+    meta: ResponseMeta,
+    choices: Sequence[Choice],
+    *,
+    prompt_tokens: int,
+    tokenizer: Tokenizer,
+    report: PromptReport = PromptReport(),
 ) -> dict[str, Any]:
     """The non-streaming ``text_completion`` object."""
     return {
-        "id": meta.id,
-        "object": "text_completion",
-        "created": meta.created,
-        "model": meta.model,
+        **_head(meta, "text_completion"),
         "choices": [
             {
                 "index": c.index,
-                "text": c.text,
-                "logprobs": None
-                if c.logprobs is None
-                else completion_logprobs(tokenizer, c.token_ids, c.logprobs),
+                **completion_fields(tokenizer, report, c.prompt, c.text, c.token_ids, c.logprobs),
                 "finish_reason": openai_finish_reason(c.finish_reason),
             }
             for c in sorted(choices, key=lambda c: c.index)
@@ -632,10 +718,7 @@ def chat_response(
 ) -> dict[str, Any]:
     """The non-streaming ``chat.completion`` object."""
     return {
-        "id": meta.id,
-        "object": "chat.completion",
-        "created": meta.created,
-        "model": meta.model,
+        **_head(meta, "chat.completion"),
         "choices": [
             {
                 "index": c.index,
@@ -658,25 +741,20 @@ def completion_chunk(
     *,
     finish_reason: FinishReason | None = None,
     logprobs: dict[str, Any] | None = None,
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None,
 ) -> dict[str, Any]:
     """One streamed ``text_completion`` chunk: a text delta, the last one with its
-    ``finish_reason`` (the engine's); ``logprobs`` from ``completion_logprobs``."""
-    return {
-        "id": meta.id,
-        "object": "text_completion",
-        "created": meta.created,
-        "model": meta.model,
-        "choices": [
-            {
-                "index": index,
-                "text": text,
-                "logprobs": logprobs,
-                "finish_reason": None
-                if finish_reason is None
-                else openai_finish_reason(finish_reason),
-            }
-        ],
+    ``finish_reason`` (the engine's); ``logprobs`` from ``completion_logprobs``; a choice's first
+    chunk carries what it reports of its prompt (``completion_fields``)."""
+    choice: dict[str, Any] = {
+        "index": index,
+        "text": text,
+        "logprobs": logprobs,
+        "finish_reason": None if finish_reason is None else openai_finish_reason(finish_reason),
     }
+    if prompt_logprobs is not None:
+        choice["prompt_logprobs"] = prompt_logprobs
+    return {**_head(meta, "text_completion"), "choices": [choice]}
 
 
 def chat_chunk(
@@ -697,10 +775,7 @@ def chat_chunk(
     elif content is not None:
         delta = {"content": content}
     return {
-        "id": meta.id,
-        "object": "chat.completion.chunk",
-        "created": meta.created,
-        "model": meta.model,
+        **_head(meta, "chat.completion.chunk"),
         "choices": [
             {
                 "index": index,
@@ -723,10 +798,7 @@ def usage_chunk(
 ) -> dict[str, Any]:
     """The last chunk of a stream with ``include_usage``: no choices, the whole request's usage."""
     return {
-        "id": meta.id,
-        "object": object,
-        "created": meta.created,
-        "model": meta.model,
+        **_head(meta, object),
         "choices": [],
         "usage": usage(prompt_tokens, completion_tokens),
     }
@@ -781,35 +853,101 @@ def token_string(raw: bytes) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
+def completion_fields(
+    tokenizer: Tokenizer,
+    report: PromptReport,
+    prompt: Prompt | None,
+    text: str,
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprobs] | None,
+) -> dict[str, Any]:
+    """A completions choice's ``text``, ``logprobs`` (None unless asked) and, when asked,
+    ``prompt_logprobs``, with ``prompt`` leading them as ``report`` asks: for the whole choice,
+    or a stream's first chunk (``logprobs`` of the tokens it holds)."""
+    fields: dict[str, Any] = {"text": text, "logprobs": None}
+    ids: Sequence[int] = token_ids
+    shown: Sequence[TokenLogprobs | None] | None = logprobs
+    if prompt is not None and report.echo:
+        fields["text"] = prompt.text + text
+        if logprobs is not None:
+            ids, shown = [*prompt.token_ids, *token_ids], [*(prompt.logprobs or ()), *logprobs]
+    if shown is not None:
+        fields["logprobs"] = completion_logprobs(tokenizer, ids, shown, num_top=report.logprobs)
+    if prompt is not None and report.prompt_logprobs is not None:
+        fields["prompt_logprobs"] = prompt_logprobs(
+            tokenizer, prompt.token_ids, prompt.logprobs or (), report.prompt_logprobs
+        )
+    return fields
+
+
 def completion_logprobs(
     tokenizer: Tokenizer,
     token_ids: Sequence[int],
-    logprobs: Sequence[TokenLogprobs],
+    logprobs: Sequence[TokenLogprobs | None],
     *,
     text_offset: int = 0,
+    num_top: int | None = None,
 ) -> dict[str, Any]:
     """Completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``.
 
-    ``top_logprobs`` also holds the sampled token (OpenAI returns up to logprobs + 1).
-    ``text_offset`` is where the first token starts in the choice's text; a stream passes the
-    length of the text it has sent so far."""
+    ``top_logprobs`` also holds the sampled token (OpenAI returns up to logprobs + 1), of the
+    ``num_top`` most likely (default: as many as computed). A None entry (an echoed prompt's
+    first token) has null ``token_logprobs`` and ``top_logprobs``. ``text_offset`` is where the
+    first token starts in the choice's text; a stream passes the length of the text it has sent
+    so far."""
     tokens: list[str] = []
     offsets: list[int] = []
-    tops: list[dict[str, float]] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
     for tid, lp in zip(token_ids, logprobs, strict=True):
         token = token_string(token_bytes(tokenizer, tid))
-        top = {token_string(token_bytes(tokenizer, t)): _finite(v) for t, v in lp.top}
-        top.setdefault(token, _finite(lp.logprob))
         offsets.append(text_offset)
         text_offset += len(token)
         tokens.append(token)
+        if lp is None:
+            values.append(None)
+            tops.append(None)
+            continue
+        top = {token_string(token_bytes(tokenizer, t)): _finite(v) for t, v in lp.top[:num_top]}
+        top.setdefault(token, _finite(lp.logprob))
+        values.append(_finite(lp.logprob))
         tops.append(top)
     return {
         "tokens": tokens,
-        "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+        "token_logprobs": values,
         "top_logprobs": tops,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprobs | None],
+    num_top: int,
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first (nothing predicts it),
+    else ``{token id: {"logprob", "rank", "decoded_token"}}`` (ids as JSON keys are strings):
+    the prompt token first, with its rank among all tokens, then its position's ``num_top`` most
+    likely, ranks 1.. (the prompt token among them keeps its one entry)."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for tid, lp in zip(token_ids, logprobs, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        ranked = [(tid, lp.logprob, lp.rank)]
+        ranked += [(t, v, rank) for rank, (t, v) in enumerate(lp.top[:num_top], 1)]
+        out.append(
+            {
+                str(t): {
+                    "logprob": _finite(v),
+                    "rank": rank,
+                    "decoded_token": token_string(token_bytes(tokenizer, t)),
+                }
+                for t, v, rank in ranked
+            }
+        )
+    return out
 
 
 def chat_logprobs(

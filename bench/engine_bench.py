@@ -145,6 +145,14 @@ def native_bf16_gemm() -> bool:
     return default_linear_mode(torch.zeros(1, dtype=torch.bfloat16)) == "packed"
 
 
+def gemm_path(engine: LLMEngine) -> str:
+    """The Linear mode the engine runs (engine/model.py), with the invariant kernel's layout."""
+    head = engine.runner.model.lm_head
+    if head.mode != "invariant":
+        return head.mode
+    return f"invariant ({'bf16 pairs' if head.pairs else 'fp32 FMA'})"
+
+
 def roofline_step(engine: LLMEngine, batch: int, ctx: int, rates: dict[str, float]) -> float:
     """Lower bound of a decode step: max(bytes moved / bandwidth, FLOPs / matmul rate), for the
     GEMM path the engine takes here (bf16 weights natively, or fp32 weights where bf16 GEMMs
@@ -263,7 +271,7 @@ def bench_size(size: str, n: int, plen: int, olen: int, rates: dict[str, float])
         "hf_fp32_tok_s_1": h32_one,
         "speedup_batch_vs_fp32": t_batch / h32_batch,
         "speedup_1_vs_fp32": t_one / h32_one,
-        "gemm_path": default_linear_mode(torch.zeros(1, dtype=torch.bfloat16)),
+        "gemm_path": gemm_path(engine),
         "skinny_kernel": engine.runner.model.lm_head.skinny,
         "decode_steps": steps,
     }

@@ -57,6 +57,8 @@ class ClientDelta:
     finished: bool = False
     finish_reason: FinishReason | None = None  # once finished
     logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
+    # With the first token, when asked: one per prompt token, None for the first.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class ClientStream:
@@ -110,4 +112,5 @@ class ClientStream:
             finished=self.finished,
             finish_reason=self.finish_reason,
             logprobs=list(logprobs) if logprobs is not None else None,
+            prompt_logprobs=batch.prompt_logprobs,
         )

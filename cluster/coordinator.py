@@ -33,7 +33,7 @@ import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -252,9 +252,11 @@ class Coordinator:
     ) -> AsyncGenerator[ClientDelta, None]:
         spec = attempt.request
         tokens = spec.prompt_token_ids + attempt.resume_output
+        # A request scoring its prompt computes all of it (no prefix hit): no cache credit.
+        scored = spec.params.prompt_logprobs is not None
         route = RouteRequest(
             request_id=attempt.attempt_id,
-            prompt_hashes=self._hashes(tokens, spec.cache_salt),
+            prompt_hashes=[] if scored else self._hashes(tokens, spec.cache_salt),
             num_prompt_tokens=len(tokens),
             exclude_workers=frozenset(exclusions.workers),
             exclude_domains=frozenset(exclusions.domains),
@@ -287,7 +289,9 @@ class Coordinator:
                 yield head
             if stream.finished:
                 return
-            await self._await(decode.handoff(aid, first), decision.decode)
+            # The decode worker continues from the token; the prompt's logprobs stay here.
+            handoff = replace(first, prompt_logprobs=None)
+            await self._await(decode.handoff(aid, handoff), decision.decode)
             async for delta in self._deliver(inbox, decision.decode, stream):
                 yield delta
             over = True

@@ -64,6 +64,7 @@ def batch_of(out: StreamOutput) -> TokenBatch:
         sampler_snapshot=out.sampler_snapshot,
         logprobs=out.logprobs,
         queue_time_s=out.queue_time_s,
+        prompt_logprobs=out.prompt_logprobs,
     )
 
 

@@ -74,6 +74,8 @@ class TokenBatch:
     error: str | None = None  # with FinishReason.ERROR: what failed there (for logs)
     logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
     queue_time_s: float | None = None  # in the batch with the attempt's first token
+    # In the batch with the attempt's first token, when asked (engine StreamOutput's).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def then(self, newer: TokenBatch) -> TokenBatch:
         """This batch and the ``newer`` one after it, as one."""
@@ -89,6 +91,7 @@ class TokenBatch:
             error=newer.error,
             logprobs=None if both_none else (self.logprobs or []) + (newer.logprobs or []),
             queue_time_s=self.queue_time_s if self.queue_time_s is not None else newer.queue_time_s,
+            prompt_logprobs=self.prompt_logprobs or newer.prompt_logprobs,
         )
 
 

@@ -98,8 +98,10 @@ def _merge(older: list[StreamOutput], newer: list[StreamOutput]) -> list[StreamO
                 finish_reason=o.finish_reason,
                 error=o.error,
                 logprobs=None if both_none else (prev.logprobs or []) + (o.logprobs or []),
+                prompt_logprobs=prev.prompt_logprobs or o.prompt_logprobs,
                 sampler_snapshot=o.sampler_snapshot or prev.sampler_snapshot,
                 queue_time_s=prev.queue_time_s if o.queue_time_s is None else o.queue_time_s,
+                seed=o.seed,
             )
         merged[o.request_id] = o
     return list(merged.values())

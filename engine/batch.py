@@ -18,6 +18,13 @@ class ScheduledChunk:
     start_pos: int  # num_computed_tokens before this step
     block_table: list[int]  # physical blocks covering positions [0, start_pos + len)
     sample: bool  # chunk ends at the sequence's last token: the runner returns its logits
+    # Prompt logprobs asked: the runner returns every row's logits, not only the last one's.
+    all_logits: bool = False
+
+    @property
+    def num_logit_rows(self) -> int:
+        """How many of the chunk's rows, its last ones, the runner returns logits for."""
+        return len(self.token_ids) if self.all_logits else int(self.sample)
 
 
 @dataclass
@@ -37,5 +44,5 @@ class SchedulerOutput:
 
     @property
     def sampled_ids(self) -> list[str]:
-        """Request ids whose logits the runner returns, in row order."""
+        """Request ids that sample a token this step, in row order."""
         return [c.request_id for c in self.chunks if c.sample]

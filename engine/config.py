@@ -93,7 +93,15 @@ class EngineConfig(BaseModel):
         "'cpu_kernel' where the kernel cannot run: CUDA, no compiler) means the kernel on CPU "
         "where it builds, else sdpa",
     )
-    seed: int = Field(0, description="seed for requests that give none")
+    deterministic: bool = Field(
+        True,
+        description="batch-invariant numerics (docs/design.md#determinism): a request's tokens and "
+        "logprobs are the same bits whatever shares its batch, however its prompt was chunked, "
+        "cached or shipped, and after a migration. Every GEMM reduces in one order whatever the "
+        "row count and every query's attention runs the same kernel in prefill and decode. "
+        "Needs the compiled CPU kernels; the engine refuses to start without them (or on CUDA) "
+        "unless this is false",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +17,14 @@ import torch
 
 from engine import metrics
 from engine.admission import RequestRejected
+from engine.batch import ScheduledChunk
 from engine.config import EngineConfig, ModelConfig
 from engine.detokenizer import TextStream
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.request import FinishReason, Request, RequestStatus, TerminalRecord
-from engine.sampler import Sampler, SamplingSnapshot, SamplingState, TokenLogprobs
+from engine.sampler import Sampler, SamplingSnapshot, SamplingState, TokenLogprobs, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
@@ -41,11 +42,16 @@ class StreamOutput:
     finish_reason: FinishReason | None = None  # once finished
     error: str | None = None  # with FinishReason.ERROR: what failed (for logs)
     logprobs: list[TokenLogprobs] | None = None
+    # With the first token, when asked: one per prompt token (None for the first, which nothing
+    # predicts). Not on a resumed request's outputs: its client has them.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # The sampler state after token_ids, for requests that asked (a migration resumes from it)
     # and on the final output of a prefill-only request (the decode worker continues from it).
     sampler_snapshot: SamplingSnapshot | None = None
     # With the first token only: seconds from entering the queue to first being scheduled.
     queue_time_s: float | None = None
+    # On the final output: the seed the sequence drew from (asked for, or drawn at arrival).
+    seed: int | None = None
 
 
 @dataclass
@@ -60,9 +66,11 @@ class CompletionOutput:
     finish_reason: FinishReason
     record: TerminalRecord
     logprobs: list[TokenLogprobs] | None
+    seed: int  # asked for, or drawn at arrival: with it the same request draws these tokens again
     timing: dict[str, Any] = field(default_factory=dict)
     # Prefill-only requests: the sampler state after the last token, for the decode worker.
     sampler_snapshot: SamplingSnapshot | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # as in StreamOutput
 
 
 @dataclass
@@ -74,6 +82,8 @@ class _Sequence:
     sampling: SamplingState
     detok: TextStream  # also holds the text emitted so far
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Filled position by position as its prefill chunks run (prompt logprobs asked).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     snapshots: bool = False  # attach the sampler state to every output
 
 
@@ -274,14 +284,19 @@ class LLMEngine:
     @staticmethod
     def _restored(req: Request, snapshot: SamplingSnapshot) -> SamplingState:
         """The sampler state ``snapshot`` holds, for ``req`` as it stands (ValueError when the
-        snapshot was taken at another output length)."""
-        return SamplingState.restore(
+        snapshot was taken at another output length). The request records the snapshot's seed
+        and choice: they, not a seed drawn here, are what its tokens were drawn from."""
+        state = SamplingState.restore(
             snapshot,
             req.sampling_params,
             req.prompt_token_ids,
             req.output_token_ids,
             req.eos_token_ids,
         )
+        req.sampling_params = replace(
+            req.sampling_params, seed=snapshot.seed, choice=snapshot.choice
+        )
+        return state
 
     def _track(
         self,
@@ -293,7 +308,7 @@ class LLMEngine:
         """Start following an admitted request; ``sampling`` defaults to a fresh state."""
         params = req.sampling_params
         if sampling is None:
-            sampling = SamplingState.for_request(req, self.config.seed, sample_index=index)
+            sampling = SamplingState.for_request(req, sample_index=index)
         seq = _Sequence(
             request=req,
             index=index,
@@ -330,7 +345,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         outputs: list[StreamOutput] = []
         if out.chunks:
-            logits = self.runner.execute(out)
+            logits = self._take_prompt_logprobs(out.chunks, self.runner.execute(out))
             sampled = self._sample(out.sampled_ids, logits)
             for req in self.scheduler.update_from_output(out, sampled):
                 outputs.append(self._emit(req))
@@ -338,6 +353,38 @@ class LLMEngine:
         for rid in [r for r, s in self._seqs.items() if s.request.is_finished]:
             outputs.append(self._finish(rid))
         return [o for o in outputs if o.token_ids or o.text or o.finished]
+
+    def _take_prompt_logprobs(
+        self, chunks: list[ScheduledChunk], logits: torch.Tensor
+    ) -> torch.Tensor:
+        """Record the prompt logprobs the runner's extra rows hold (the chunks with
+        ``all_logits``); returns the sampling rows alone, in ``sampled_ids`` order."""
+        if not any(c.all_logits for c in chunks):
+            return logits
+        keep: list[int] = []
+        row = 0
+        for c in chunks:
+            n = c.num_logit_rows
+            if c.all_logits:
+                self._record_prompt_logprobs(c, logits[row : row + n - c.sample])
+            if c.sample:
+                keep.append(row + n - 1)
+            row += n
+        return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
+
+    def _record_prompt_logprobs(self, chunk: ScheduledChunk, logits: torch.Tensor) -> None:
+        """The logits at position p score prompt token p + 1. Recorded by position, so a
+        chunk recomputed after a preemption rewrites what it wrote before."""
+        seq = self._seqs[chunk.request_id]
+        prompt = seq.request.prompt_token_ids
+        if seq.prompt_logprobs is None:
+            seq.prompt_logprobs = [None] * len(prompt)
+        first = chunk.start_pos + 1
+        scored = prompt[first : first + logits.shape[0]]
+        if scored:
+            k = seq.request.sampling_params.prompt_logprobs or 0
+            found = token_logprobs(logits, scored, [k] * len(scored))
+            seq.prompt_logprobs[first : first + len(scored)] = found
 
     def _sample(self, row_ids: list[str], logits: torch.Tensor) -> dict[str, int]:
         rows: list[int] = []
@@ -351,6 +398,7 @@ class LLMEngine:
                 # blocks, copy-on-write on the partial tail) and draw each from this row.
                 for i, child in enumerate(self.scheduler.fork(rid, req.sampling_params.n - 1), 1):
                     self._track(child, index=i)
+                    self._seqs[child.request_id].prompt_logprobs = seq.prompt_logprobs
                     rows.append(row)
                     states.append(self._seqs[child.request_id].sampling)
                     ids.append(child.request_id)
@@ -385,6 +433,7 @@ class LLMEngine:
             [token],
             delta.text,
             logprobs=lp,
+            prompt_logprobs=seq.prompt_logprobs if len(req.output_token_ids) == 1 else None,
             sampler_snapshot=snap,
             queue_time_s=queue_time,
         )
@@ -422,7 +471,9 @@ class LLMEngine:
                 finish_reason=reason,
                 record=record,
                 logprobs=seq.logprobs if req.sampling_params.logprobs is not None else None,
+                seed=seq.sampling.seed,
                 sampler_snapshot=seq.sampling.snapshot() if req.prefill_only else None,
+                prompt_logprobs=seq.prompt_logprobs,
                 timing={
                     "ttft_s": metrics.ttft(req.times),
                     "tpot_s": metrics.tpot(req.times),
@@ -441,6 +492,7 @@ class LLMEngine:
             finish_reason=reason,
             error=req.error,
             sampler_snapshot=snap,
+            seed=seq.sampling.seed,
         )
 
     # -- offline API ---------------------------------------------------------------------------

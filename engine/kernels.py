@@ -10,6 +10,8 @@ None, logs why once, and callers keep the pure-PyTorch path.
 
 * ``paged_decode_attention`` -- decode attention read in place through the block tables, with
   torch's CPU flash-attention numerics in bf16 (the default on CPU, ``attention_backend``).
+* ``invariant_linear`` -- the batch-invariant GEMM (each output reduced over K in one fixed
+  order whatever the row count): the default linear path (``engine.model.Linear``).
 * ``skinny_linear`` -- bf16-weight GEMM of a few rows at memory bandwidth, for CPUs without
   native bf16 GEMM (used by ``engine.model.Linear`` whenever it builds).
 """
@@ -33,7 +35,12 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 # ISO C++ mode turns FMA contraction off (the plain-loop fallback wants it); math-errno off keeps
 # the fallback's std::exp free of errno stores.
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
-KERNELS = ("paged_decode_attention", "skinny_linear")  # each: csrc/<name>.cpp exporting <name>
+# Each: csrc/<name>.cpp exporting these functions.
+KERNELS: dict[str, tuple[str, ...]] = {
+    "paged_decode_attention": ("paged_decode_attention",),
+    "skinny_linear": ("skinny_linear",),
+    "invariant_linear": ("invariant_linear", "pack_linear", "bf16_pairs_supported"),
+}
 # Most rows skinny_linear takes (its kMaxRows); past it the GEMM is compute-bound.
 SKINNY_MAX_ROWS = 16
 DISABLE_ENV = "TANDEM_NATIVE_KERNELS"
@@ -55,7 +62,7 @@ def load(name: str) -> ModuleType | None:
             name=f"tandem_{name}",
             build_directory=str(build_dir(name)),
             cpp_sources=[(_CSRC / f"{name}.cpp").read_text()],
-            functions=[name],
+            functions=list(KERNELS[name]),
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
         )
@@ -97,6 +104,34 @@ def paged_decode_attention(
     if ext is None:
         raise RuntimeError("the paged decode-attention extension is not available")
     out: Tensor = ext.paged_decode_attention(q, k_cache, v_cache, tables, starts, ends, scale)
+    return out
+
+
+def _invariant() -> ModuleType:
+    ext = load("invariant_linear")
+    if ext is None:
+        raise RuntimeError("the invariant-linear extension is not available")
+    return ext
+
+
+def bf16_pairs_supported() -> bool:
+    """Whether this CPU runs :func:`invariant_linear`'s pairs layout (AVX512-BF16)."""
+    return bool(_invariant().bf16_pairs_supported())
+
+
+def pack_linear(weight: Tensor, pairs: bool) -> Tensor:
+    """``weight`` ``[N, K]`` (float32 or bfloat16, CPU) packed for :func:`invariant_linear`:
+    ``pairs`` (bf16 on an AVX512-BF16 CPU) or 16-column panels for AVX2 FMA."""
+    packed: Tensor = _invariant().pack_linear(weight, pairs)
+    return packed
+
+
+def invariant_linear(x: Tensor, packed: Tensor, n: int, bias: Tensor | None, pairs: bool) -> Tensor:
+    """``x W^T + b`` with ``W`` ``[n, K]`` packed by :func:`pack_linear` (``pairs`` as packed);
+    ``x`` ``[M, K]``, the output in its dtype. Each output element is reduced over K in one
+    order whatever M is. In the columns layout a bf16 weight's fp32 copy gives the same bits as
+    its bf16 panels (widening is exact)."""
+    out: Tensor = _invariant().invariant_linear(x, packed, n, bias, pairs)
     return out
 
 

@@ -188,9 +188,10 @@ class KVCacheManager:
         """Longest run of cached FULL blocks matching the request's tokens under its salt.
 
         Capped so the last token is always recomputed (its logits sample the next token,
-        docs/design.md#lifecycle). Takes no references. Returns (block_ids, num_cached_tokens).
+        docs/design.md#lifecycle); none for a request that needs every prompt position's
+        logits (prompt logprobs). Takes no references. Returns (block_ids, num_cached_tokens).
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or request.needs_prompt_logits:
             return [], 0
         tokens = request.all_token_ids
         extra = self._extra_keys(request)

@@ -29,7 +29,7 @@ _MKLDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(
 _MKLDNN_BF16 = _MKLDNN_FP32 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-LinearMode = Literal["packed", "widen", "plain"]
+LinearMode = Literal["invariant", "packed", "widen", "plain"]
 # "widen" GEMMs of at most this many rows read the bf16 weight (see Linear); SKINNY_ROWS where
 # the native kernel serves them (the measured crossover with the fp32 GEMM on the small model:
 # per decode step 8 rows 34 / 45 ms, 12 rows 50 / 57, 16 rows 65 / 66).
@@ -37,16 +37,25 @@ WIDEN_MIN_ROWS = 4
 SKINNY_ROWS = 12
 
 
-def default_linear_mode(weight: Tensor) -> LinearMode:
-    """The GEMM path for a weight on this machine (see :class:`Linear`)."""
+def default_linear_mode(weight: Tensor, deterministic: bool = False) -> LinearMode:
+    """The GEMM path for a weight on this machine (see :class:`Linear`): the batch-invariant
+    kernel when ``deterministic``, else the fastest one."""
+    if deterministic:
+        return "invariant"
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
         return "plain"
     return "packed" if _MKLDNN_BF16 else "widen"
 
 
 class Linear:
-    """``y = x W^T + b`` by the fastest GEMM this machine has for the weight's dtype.
+    """``y = x W^T + b``: batch-invariant, or by the fastest GEMM this machine has.
 
+    * ``invariant`` -- the deterministic default (engine/csrc/invariant_linear.cpp): each output
+      element is reduced over K in one fixed order whatever the row count, the row's place in
+      the batch or the thread count, so a token's activations do not depend on what shares its
+      step. CPU, float32 or bfloat16 weights, packed once: bf16 in pairs for ``vdpbf16ps``
+      where the CPU has AVX512-BF16 (``pairs``), else 16-column panels for AVX2 FMA. The
+      others are the ``deterministic: false`` paths (docs/benchmarks.md#determinism).
     * ``packed`` -- bf16 where oneDNN has native bf16 matmul (AVX512-BF16 / AMX): the weight is
       prepacked once into oneDNN's blocked layout. Plain ``F.linear`` re-packs it on every
       call, which costs more than the GEMM itself at decode batch sizes (same results, bit for
@@ -70,6 +79,16 @@ class Linear:
         self.bias = bias
         self.weight: Tensor | None = weight
         self.packed: Tensor | None = None
+        self.out_features = weight.shape[0]
+        # The invariant kernel's layout: bf16 pairs where the CPU has AVX512-BF16.
+        self.pairs = (
+            self.mode == "invariant"
+            and weight.dtype == torch.bfloat16
+            and kernels.bf16_pairs_supported()
+        )
+        if self.mode == "invariant":
+            self.packed = kernels.pack_linear(weight, self.pairs)
+            self.weight = None
         if self.mode == "packed":
             # The second argument is the expected row count; it only tunes the layout.
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
@@ -93,6 +112,11 @@ class Linear:
         self.few_rows = SKINNY_ROWS if self.skinny else WIDEN_MIN_ROWS
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.mode == "invariant":
+            assert self.packed is not None
+            return kernels.invariant_linear(
+                x, self.packed, self.out_features, self.bias, self.pairs
+            )
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.wide is not None and x.shape[0] > self.few_rows:
@@ -161,7 +185,13 @@ def apply_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
 class DecoderModel:
     """Weights on ``device`` plus the forward; holds no per-request state."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, Tensor], device: torch.device):
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, Tensor],
+        device: torch.device,
+        deterministic: bool = False,
+    ):
         self.config = config
         self.device = device
         c = config
@@ -178,11 +208,13 @@ class DecoderModel:
             """One Linear from the named projections, fused along the output dim."""
             biases = [p + ".bias" for p in prefixes if p + ".bias" in weights]
             bias = fused(biases) if biases and len(biases) == len(prefixes) else None
-            return Linear(fused([p + ".weight" for p in prefixes]), bias)
+            weight = fused([p + ".weight" for p in prefixes])
+            return Linear(weight, bias, default_linear_mode(weight, deterministic))
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
-        self.lm_head = Linear(self.embed if c.tie_word_embeddings else get("lm_head.weight"), None)
+        head = self.embed if c.tie_word_embeddings else get("lm_head.weight")
+        self.lm_head = Linear(head, None, default_linear_mode(head, deterministic))
         self.layers: list[LayerWeights] = []
         for i in range(c.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."

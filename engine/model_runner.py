@@ -24,6 +24,38 @@ from engine.model import DecoderModel
 Tensor = torch.Tensor
 
 
+class DeterminismUnavailable(RuntimeError):
+    """``deterministic: true`` on a setup without batch-invariant kernels (CUDA, no compiler,
+    SDPA attention): the engine refuses to start rather than serve non-reproducible output."""
+
+
+def check_deterministic(config: EngineConfig, device: torch.device) -> None:
+    """Raise :class:`DeterminismUnavailable` (saying why and what to set) unless every kernel
+    of the invariant path runs here."""
+    if not config.deterministic:
+        return
+    fix = "set engine deterministic: false to run without reproducibility guarantees"
+    if device.type != "cpu":
+        raise DeterminismUnavailable(
+            f"deterministic numerics are implemented for CPU, not {device.type}; {fix}"
+        )
+    if config.attention_backend == "sdpa":
+        raise DeterminismUnavailable(
+            f"attention_backend sdpa is not batch-invariant (its reduction order depends on "
+            f"the query count); use auto or cpu_kernel, or {fix}"
+        )
+    missing = [
+        name
+        for name in ("invariant_linear", "paged_decode_attention")
+        if kernels.load(name) is None
+    ]
+    if missing:
+        raise DeterminismUnavailable(
+            f"the compiled CPU kernels {', '.join(missing)} are unavailable (no C++ compiler or "
+            f"OpenMP, or {kernels.DISABLE_ENV}=0; see the log); {fix}"
+        )
+
+
 class ModelRunner:
     """Executes :class:`SchedulerOutput` steps; the scheduler owns which blocks mean what."""
 
@@ -41,7 +73,9 @@ class ModelRunner:
                 f"kv_cache_bytes={config.kv_cache_bytes} holds no block of {block_bytes} bytes"
             )
         self.num_host_blocks = config.swap_space_bytes // block_bytes
-        self.model = DecoderModel(mc, ckpt.weights, device)
+        check_deterministic(config, device)
+        self.deterministic = config.deterministic
+        self.model = DecoderModel(mc, ckpt.weights, device, deterministic=self.deterministic)
         # Zeros, not empty: decode reads padding slots (masked out, weight 0), and 0 * NaN from
         # uninitialised memory would still poison the output.
         self.kv_cache = _zeros(self._cache_shape(self.num_blocks), mc.dtype, device)
@@ -56,7 +90,7 @@ class ModelRunner:
         # Called with (layer index, the step's SchedulerOutput) once that layer's K/V of the
         # step is written: a prefill worker streams a layer while later layers compute.
         self.layer_hook: Callable[[int, SchedulerOutput], None] | None = None
-        self.decode_kernel = (
+        self.decode_kernel = self.deterministic or (
             config.attention_backend != "sdpa"
             and device.type == "cpu"
             and kernels.load("paged_decode_attention") is not None
@@ -85,7 +119,7 @@ class ModelRunner:
         """Apply the step's swaps and block copies, then run its chunks.
 
         Returns:
-            float32 logits ``[len(out.sampled_ids), vocab]``, rows in ``out.sampled_ids`` order.
+            float32 logits ``[sum of the chunks' num_logit_rows, vocab]``, chunk by chunk.
         """
         if out.swap_out:
             dev, host = self._pairs(out.swap_out)
@@ -143,7 +177,13 @@ class ModelRunner:
         last_row = {id(c): row for row, c in enumerate(decodes)}
         for c, seq in zip(prefills, seqs, strict=True):
             last_row[id(c)] = seq.row + seq.num_tokens - 1
-        sample_rows = [last_row[id(c)] for c in chunks if c.sample]
+        sample_rows = [
+            row
+            for c in chunks
+            for row in range(last_row[id(c)] + 1 - c.num_logit_rows, last_row[id(c)] + 1)
+        ]
+        if self.deterministic:
+            return self._prepare_invariant(decodes + prefills, ids, pos, slots, sample_rows)
         firsts = self._first_blocks([c.start_pos for c in decodes])
         tables, width = self._decode_tables(decodes, firsts)
 
@@ -164,6 +204,45 @@ class ModelRunner:
             decode_workspace=self._decode_workspace(0 if self.decode_kernel else len(tables)),
             prefills=seqs,
             decode_bounds=bounds,
+        )
+        return input_ids, positions, meta, rows
+
+    def _prepare_invariant(
+        self,
+        chunks: list[ScheduledChunk],
+        ids: list[int],
+        pos: list[int],
+        slots: list[int],
+        sample_rows: list[int],
+    ) -> tuple[Tensor, Tensor, AttentionMetadata, Tensor]:
+        """Every row, prefill or decode, is one query of the paged kernel over its own
+        positions ``[first, p]`` of a block table that starts at position 0: the query at
+        position p reduces over the same keys, in the same splits, in a prefill chunk of any
+        size and in a decode step, so its output is the same bits (issue 16)."""
+        bs, window = self.block_size, self.model_config.sliding_window
+        width = max(-(-(c.start_pos + len(c.token_ids)) // bs) for c in chunks)
+        tables = np.zeros((len(ids), width), dtype=np.int64)
+        row = 0
+        for c in chunks:
+            n = len(c.token_ids)
+            used = -(-(c.start_pos + n) // bs)
+            tables[row : row + n, :used] = c.block_table[:used]
+            row += n
+        host_pos = np.array(pos, dtype=np.int64)
+        ends = host_pos + 1
+        starts = np.zeros_like(ends) if window is None else np.maximum(ends - window, 0)
+        flat = torch.from_numpy(np.array(ids + pos + slots + sample_rows, dtype=np.int64))
+        input_ids, positions, slot_mapping, rows = flat.to(self.device).split(
+            [len(ids), len(pos), len(slots), len(sample_rows)]
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            num_decode=len(ids),
+            decode_blocks=torch.from_numpy(tables),
+            decode_mask=torch.empty(0, dtype=torch.bool),
+            decode_workspace=self._decode_workspace(0),
+            prefills=[],
+            decode_bounds=torch.from_numpy(np.stack((starts, ends))),
         )
         return input_ids, positions, meta, rows
 

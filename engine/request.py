@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import enum
 import itertools
+import secrets
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Generic, TypeVar, overload
 
 from engine.sampling_params import SamplingParams
@@ -219,6 +220,16 @@ class Request:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: empty prompt")
         self.times = RequestTimes(arrival=self.arrival_time)
+        if self.sampling_params.seed is None:
+            # Drawn once and recorded: its draws are a pure function of the seed, so the seed
+            # alone reproduces them (docs/design.md#sampling-seeds).
+            self.sampling_params = replace(self.sampling_params, seed=secrets.randbits(63))
+
+    @property
+    def seed(self) -> int:
+        """The seed its sampling draws from: the one asked for, else the one drawn at arrival."""
+        assert self.sampling_params.seed is not None  # set by __post_init__
+        return self.sampling_params.seed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -231,6 +242,13 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Its prefill returns the logits of every prompt position (prompt logprobs asked, and
+        no token yet: a resumed request's client has them), so no cached block may stand in
+        for computing its prompt."""
+        return self.sampling_params.prompt_logprobs is not None and not self.output_token_ids
 
     @property
     def is_finished(self) -> bool:

@@ -10,13 +10,16 @@ renormalises what it keeps, so the next filter sees a distribution (top-k then t
 top-p then top-k, docs/design.md#sampling-order). Every filter is also a pure function over one 1-D
 distribution (``top_p_filter`` ...) that runs the same batched code on a batch of one.
 
-Randomness is per request: each sequence owns a CPU ``torch.Generator`` and spends one uniform
-per sampled token (inverse CDF), so a seeded request draws the same tokens whatever shares its
-batch, and its generator state can be snapshotted and restored when the sequence migrates.
+Randomness is counter-based (docs/design.md#sampling-seeds): the token at output position i of
+choice c of a request with seed s is drawn by inverse CDF with ``uniform(s, c, i)``, a pure
+function. So a request draws the same tokens whatever shares its batch, and a retried or migrated
+sequence draws what the fault-free run drew from its seed, choice and output length alone: there
+is no generator state to carry.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -146,26 +149,26 @@ def _filter_one(mask: MaskFn, probs: Tensor, value: float) -> Tensor:
 # -- per-sequence state ---------------------------------------------------------------------------
 
 
-def request_seed(seed: int | None, request_id: str, engine_seed: int, sample_index: int = 0) -> int:
-    """The generator seed of one sequence: the request's own seed, else one derived from the
-    engine seed and the request id (a stable hash, unlike ``hash()``); ``sample_index`` > 0
-    gives the other sequences of an n > 1 request their own streams."""
-    if seed is not None and sample_index == 0:
-        return seed
-    key = (
-        f"{seed}:{sample_index}"
-        if seed is not None
-        else f"{engine_seed}:{request_id}:{sample_index}"
-    )
-    return xxhash.xxh64_intdigest(key.encode())
+def uniform(seed: int, choice: int, position: int) -> float:
+    """The uniform in [0, 1) that draws the token at output ``position`` (0 = the first generated
+    token) of choice ``choice`` of a request seeded ``seed``: the top 53 bits of xxh64 over the
+    three as little-endian int64s.
+
+    A pure function of its key rather than a generator's next value, so a sequence carries no RNG
+    state: a retried or migrated request, resumed at any output length, draws exactly what the
+    fault-free run drew, and no other sequence in its batch can shift its draws."""
+    digest = xxhash.xxh64_intdigest(struct.pack("<qqq", seed, choice, position))
+    return (digest >> 11) * 2.0**-53
 
 
 @dataclass(frozen=True)
 class SamplingSnapshot:
-    """What a migrating sequence carries so that sampling continues the identical stream."""
+    """What a migrating sequence carries so that sampling continues the identical stream: its
+    key (the draws are ``uniform(seed, choice, position)``) and the output length it is at."""
 
-    rng_state: bytes
-    num_output_tokens: int  # output length the state belongs to: restore checks it
+    seed: int
+    choice: int
+    num_output_tokens: int  # output length the snapshot belongs to: restore checks it
 
 
 @dataclass
@@ -175,7 +178,8 @@ class SamplingState:
     params: SamplingParams
     history: TokenHistory
     eos_token_ids: frozenset[int]
-    generator: torch.Generator
+    seed: int
+    choice: int  # the key's choice index: params.choice + the sample's index among the n
 
     @classmethod
     def create(
@@ -185,33 +189,30 @@ class SamplingState:
         output_token_ids: Sequence[int],
         *,
         seed: int,
+        choice: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> SamplingState:
         """A fresh state; ``output_token_ids`` is the sequence's live list (read every step)."""
-        generator = torch.Generator()
-        generator.manual_seed(seed)
         history = TokenHistory(
             prompt_token_ids, output_token_ids, ngram_size=params.no_repeat_ngram_size
         )
-        return cls(params, history, eos_token_ids, generator)
+        return cls(params, history, eos_token_ids, seed, choice)
 
     @classmethod
-    def for_request(
-        cls, request: Request, engine_seed: int, sample_index: int = 0
-    ) -> SamplingState:
+    def for_request(cls, request: Request, sample_index: int = 0) -> SamplingState:
+        """The state of sample ``sample_index`` of ``request``: its seed, its own choice."""
         params = request.sampling_params
-        seed = request_seed(params.seed, request.request_id, engine_seed, sample_index)
         return cls.create(
             params,
             request.prompt_token_ids,
             request.output_token_ids,
-            seed=seed,
+            seed=request.seed,
+            choice=params.choice + sample_index,
             eos_token_ids=request.eos_token_ids,
         )
 
     def snapshot(self) -> SamplingSnapshot:
-        state = self.generator.get_state()
-        return SamplingSnapshot(state.numpy().tobytes(), len(self.history.output))
+        return SamplingSnapshot(self.seed, self.choice, len(self.history.output))
 
     @classmethod
     def restore(
@@ -223,18 +224,20 @@ class SamplingState:
         eos_token_ids: frozenset[int] = frozenset(),
     ) -> SamplingState:
         """Rebuild a state from a snapshot. Raises ValueError if the output length differs from
-        the one the snapshot was taken at (the stream would be misaligned)."""
+        the one the snapshot was taken at (the sequence would not be the one it describes)."""
         if len(output_token_ids) != snapshot.num_output_tokens:
             raise ValueError(
                 f"snapshot taken at {snapshot.num_output_tokens} output tokens, "
                 f"sequence has {len(output_token_ids)}"
             )
-        state = cls.create(
-            params, prompt_token_ids, output_token_ids, seed=0, eos_token_ids=eos_token_ids
+        return cls.create(
+            params,
+            prompt_token_ids,
+            output_token_ids,
+            seed=snapshot.seed,
+            choice=snapshot.choice,
+            eos_token_ids=eos_token_ids,
         )
-        rng = torch.frombuffer(bytearray(snapshot.rng_state), dtype=torch.uint8)
-        state.generator.set_state(rng)
-        return state
 
 
 # -- the batched sampler --------------------------------------------------------------------------
@@ -243,10 +246,12 @@ class SamplingState:
 @dataclass(frozen=True)
 class TokenLogprobs:
     """Logprobs of the RAW model distribution (log_softmax of the unprocessed logits, vLLM's
-    default): not changed by penalties, temperature or filters."""
+    default): not changed by penalties, temperature or filters. For a generated token and for
+    a prompt token alike (:func:`token_logprobs`)."""
 
-    logprob: float  # of the sampled token
-    top: list[tuple[int, float]]  # the params.logprobs most likely (id, logprob); ties by id
+    logprob: float  # of the token (sampled, or the prompt's)
+    top: list[tuple[int, float]]  # the most likely (id, logprob), as many as asked; ties by id
+    rank: int  # the token's place in that order, from 1 (it may lie beyond ``top``)
 
 
 @dataclass
@@ -317,7 +322,7 @@ class Sampler:
                 index = torch.tensor(rows, device=probs.device)
                 sub = probs[index]
                 probs[index] = _renormalise(sub, mask(sub, [value(params[i]) for i in rows]))
-        return _draw(probs, [s.generator for s in states])
+        return _draw(probs, [uniform(s.seed, s.choice, len(s.history.output)) for s in states])
 
 
 def _argmax(logits: Tensor) -> Tensor:
@@ -330,10 +335,9 @@ def _argmax(logits: Tensor) -> Tensor:
     return logits.argmax(-1)
 
 
-def _draw(probs: Tensor, generators: Sequence[torch.Generator]) -> Tensor:
-    """Inverse CDF with one uniform per row from that row's own generator; zero-probability
-    tokens are never returned (the clamp covers u * total rounding up to total)."""
-    uniforms = [torch.rand((), generator=g, dtype=torch.float64).item() for g in generators]
+def _draw(probs: Tensor, uniforms: Sequence[float]) -> Tensor:
+    """Inverse CDF with one uniform per row; zero-probability tokens are never returned (the
+    clamp covers u * total rounding up to total)."""
     u = torch.tensor(uniforms, dtype=probs.dtype, device=probs.device)[:, None]
     cdf = probs.cumsum(-1)
     total = cdf[:, -1:]
@@ -350,16 +354,34 @@ def _logprobs(
     if not rows:
         return out
     index = torch.tensor(rows, device=logits.device)
-    logp = torch.log_softmax(logits[index].float(), dim=-1)
-    chosen = torch.tensor([token_ids[i] for i in rows], device=logits.device)[:, None]
-    chosen_logp = logp.gather(-1, chosen).squeeze(-1).tolist()
-    top_n = max(params[i].logprobs or 0 for i in rows)
-    vals: list[list[float]] = [[] for _ in rows]
-    ids: list[list[int]] = [[] for _ in rows]
-    if top_n:
-        top_vals, top_ids = logp.sort(dim=-1, descending=True, stable=True)
-        vals, ids = top_vals[:, :top_n].tolist(), top_ids[:, :top_n].tolist()
-    for j, row in enumerate(rows):
-        n = params[row].logprobs or 0
-        out[row] = TokenLogprobs(chosen_logp[j], list(zip(ids[j][:n], vals[j][:n], strict=True)))
+    chosen = [token_ids[i] for i in rows]
+    found = token_logprobs(logits[index], chosen, [params[i].logprobs or 0 for i in rows])
+    for row, lp in zip(rows, found, strict=True):
+        out[row] = lp
     return out
+
+
+def token_logprobs(
+    logits: Tensor, token_ids: Sequence[int], num_top: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Row i's RAW logprob of ``token_ids[i]``, its rank and its ``num_top[i]`` most likely
+    tokens: the one computation behind a generated token's logprobs and a prompt token's, so a
+    token scored in a prefill has the bits it had when it was sampled."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(token_ids, device=logits.device, dtype=torch.long)[:, None]
+    chosen_logp = logp.gather(-1, chosen)
+    ids = torch.arange(logp.shape[-1], device=logits.device)
+    ahead = (logp > chosen_logp) | ((logp == chosen_logp) & (ids < chosen))
+    ranks = (ahead.sum(-1) + 1).tolist()
+    top_n = max(num_top, default=0)
+    vals: list[list[float]] = [[] for _ in token_ids]
+    top_ids: list[list[int]] = [[] for _ in token_ids]
+    if top_n:
+        sorted_vals, sorted_ids = logp.sort(dim=-1, descending=True, stable=True)
+        vals, top_ids = sorted_vals[:, :top_n].tolist(), sorted_ids[:, :top_n].tolist()
+    return [
+        TokenLogprobs(lp, list(zip(top_ids[j][:n], vals[j][:n], strict=True)), rank)
+        for j, (lp, n, rank) in enumerate(
+            zip(chosen_logp.squeeze(-1).tolist(), num_top, ranks, strict=True)
+        )
+    ]

@@ -38,12 +38,16 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     no_repeat_ngram_size: int = 0
-    seed: int | None = None
+    seed: int | None = None  # None: the request draws one at arrival (design.md#sampling-seeds)
+    choice: int = 0  # the first sample's stream of ``seed``; sample j of n draws choice + j
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Logprobs of every prompt token (the first has none) with this many alternatives: the
+    # whole prompt is computed, never taken from the prefix cache (docs/design.md#logprobs).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs so the object stays hashable-ish and immutable.
@@ -85,10 +89,16 @@ class SamplingParams:
             raise bad("frequency_penalty", "must be in [-2, 2]")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "must be in [-2, 2]")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            raise bad("seed", "must fit a signed 64-bit integer")
+        if self.choice < 0:
+            raise bad("choice", "must be >= 0")
         if self.no_repeat_ngram_size < 0:
             raise bad("no_repeat_ngram_size", "must be >= 0")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", "must be in [0, 20]")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad("prompt_logprobs", "must be in [0, 20]")
         if self.allowed_token_ids is not None and len(self.allowed_token_ids) == 0:
             raise bad("allowed_token_ids", "must not be empty")
         if any(len(w) == 0 for w in self.bad_words_ids):

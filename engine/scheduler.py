@@ -162,6 +162,7 @@ class Scheduler:
                     start_pos=start,
                     block_table=self.kv.block_table(rid),
                     sample=start + n == req.num_tokens,
+                    all_logits=req.needs_prompt_logits,
                 )
             )
         out.copy_blocks = self.kv.take_pending_copies()

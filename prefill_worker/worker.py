@@ -129,6 +129,7 @@ class PrefillWorker(EngineWorker):
                 queue_time_s=next(
                     (o.queue_time_s for o in outs if o.queue_time_s is not None), None
                 ),
+                prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None),
             )
             if handed_off:
                 await released.wait()

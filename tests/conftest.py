@@ -125,6 +125,12 @@ def test_llama(demo_ckpt_factory: DemoCkptFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def bf16_llama(demo_ckpt_factory: DemoCkptFactory) -> Path:
+    """``test_llama`` in bfloat16, the dtype users run: where bitwise equality must hold."""
+    return demo_ckpt_factory("test", "llama", dtype="bfloat16")
+
+
+@pytest.fixture(scope="session")
 def test_qwen2(demo_ckpt_factory: DemoCkptFactory) -> Path:
     """As ``test_llama`` with Qwen2's q/k/v bias and rope_theta 1e6."""
     return demo_ckpt_factory("test", "qwen2")

@@ -138,7 +138,8 @@ def test_every_prompt_form_the_parser_takes_is_in_the_schema(
         {"prompt": [-1]},
         {"prompt": "hi", "stop": ""},
         {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]},
-        {"prompt": "hi", "max_tokens": 0},
+        {"prompt": "hi", "max_tokens": -1},
+        {"prompt": "hi", "prompt_logprobs": 21},
         {"prompt": "hi", "n": 17},
         {"prompt": "hi", "temprature": 0.5},
     ],
@@ -166,7 +167,7 @@ def test_chat_content_parts_are_in_the_schema(document: dict[str, Any]) -> None:
 
 # Rules the schema does not state (one field's validity depending on another's): a body valid
 # by the schema may still be refused for these, never for anything else.
-_CROSS_FIELD = {"stream_options", "top_logprobs"}
+_CROSS_FIELD = {"stream_options", "top_logprobs", "max_tokens"}  # max_tokens 0: only with echo
 
 
 @pytest.fixture(scope="module")

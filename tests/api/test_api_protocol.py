@@ -20,12 +20,17 @@ from hypothesis import strategies as st
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
+from api.app import Service, _Choice, _no_tokens
+from api.gate import GateConfig, IngressGate
+from api.metrics import Metrics
 from api.protocol import (
     SSE_DONE,
     APIError,
     ChatCompletionRequest,
     Choice,
     CompletionRequest,
+    Prompt,
+    PromptReport,
     ResponseMeta,
     chat_chunk,
     chat_logprobs,
@@ -47,8 +52,9 @@ from api.protocol import (
     token_string,
     usage_chunk,
 )
+from cluster.client_stream import ClientDelta
 from engine.request import FinishReason
-from engine.sampler import TokenLogprobs, request_seed
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -118,8 +124,7 @@ SHARED_BAD: list[tuple[str, Any]] = [
     ("stop_token_ids", 3),
     ("include_stop_str_in_output", "true"),
     ("temprature", 0.5),  # unknown field: a typo is an error, not a silent default
-    ("echo", True),  # an OpenAI field this server does not implement
-    ("best_of", 2),
+    ("best_of", 2),  # an OpenAI field this server does not implement
 ]
 
 
@@ -151,6 +156,13 @@ def test_shared_fields_out_of_range(parse: Callable[[bytes], Any], field: str, v
         ({"logprobs": -1}, "logprobs"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": True}, "logprobs"),
+        ({"echo": 1}, "echo"),
+        ({"echo": False, "max_tokens": 0}, "max_tokens"),  # 0 only scores an echoed prompt
+        ({"echo": True, "max_tokens": -1}, "max_tokens"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs"),
+        ({"prompt_logprobs": True}, "prompt_logprobs"),
+        ({"prompt_logprobs": "2"}, "prompt_logprobs"),
         ({"max_completion_tokens": 5}, "max_completion_tokens"),  # chat only
         ({"stream_options": {"include_usage": True}}, "stream_options"),  # needs stream
         ({"stream": True, "stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
@@ -191,6 +203,8 @@ def test_completion_fields_out_of_range(fields: dict[str, Any], param: str) -> N
         ({"top_logprobs": -1, "logprobs": True}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),  # without logprobs
         ({"prompt": "x"}, "prompt"),  # completions only
+        ({"echo": True}, "echo"),  # completions only
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),  # completions only
         ({"tools": []}, "tools"),
     ],
 )
@@ -421,15 +435,63 @@ def test_no_room_for_a_default_max_tokens_is_a_400() -> None:
     assert (e.value.status, e.value.param) == (400, "max_tokens")
 
 
-def test_choice_params_give_seeded_choices_the_engines_sample_seeds() -> None:
+def test_choice_params_keep_the_seed_and_name_the_choice() -> None:
+    """Choice j draws stream j of the request's one seed, as the engine's sample j does."""
     p = params(parse_completion(completion_body(seed=42, n=3)))
     assert choice_params(p, 0) is p
-    seeds = [choice_params(p, j).seed for j in range(3)]
-    assert seeds == [42, request_seed(42, "", 0, 1), request_seed(42, "", 0, 2)]
-    assert len(set(seeds)) == 3
-    assert choice_params(p, 2) == SamplingParams(**{**p.__dict__, "seed": seeds[2]})
-    unseeded = params(parse_completion(completion_body(n=3)))
-    assert choice_params(unseeded, 2) is unseeded
+    assert [(choice_params(p, j).seed, choice_params(p, j).choice) for j in range(3)] == [
+        (42, 0),
+        (42, 1),
+        (42, 2),
+    ]
+    assert choice_params(p, 2) == SamplingParams(**{**p.__dict__, "choice": 2})
+
+
+@pytest.mark.parametrize("seed", [None, -3])
+def test_the_app_gives_every_choice_one_seed_and_reports_it(
+    demo_tok: Tokenizer, seed: int | None
+) -> None:
+    """The seed asked for, else one drawn per request: every choice carries it with its own
+    choice index, and the response reports it. Two unseeded requests draw different seeds."""
+    service = Service(
+        None,  # type: ignore[arg-type]  # parsing needs no cluster
+        None,  # type: ignore[arg-type]
+        demo_tok,
+        "demo",
+        512,
+        demo_tok.vocab_size,
+        IngressGate(GateConfig()),
+        Metrics(),
+        None,
+    )
+
+    def parse() -> Any:
+        body = completion_body(prompt=["a", "b"], n=2, seed=seed)
+        return service._parse(body, "completion", "tenant", 0.0, {})
+
+    job = parse()
+    drawn = job.meta.seed
+    assert drawn is not None and (seed is None or drawn == seed)
+    assert [(p.seed, p.choice) for p in job.params] == [(drawn, 0), (drawn, 1)] * 2
+    assert (parse().meta.seed != drawn) == (seed is None)
+
+
+def test_the_seed_is_a_top_level_field_of_every_response_object(bl_tok: Tokenizer) -> None:
+    """With a seed in the meta every object carries it (the openai client keeps it as an extra
+    field); without one no object has the field."""
+    meta = ResponseMeta("cmpl-3", "demo", 3, seed=2**62)
+    choices = [Choice(0, "ok", [5], FinishReason.MAX_TOKENS)]
+    kw: dict[str, Any] = {"prompt_tokens": 1, "tokenizer": bl_tok}
+    objects = [
+        completion_response(meta, choices, **kw),
+        chat_response(meta, choices, **kw),
+        completion_chunk(meta, 0, "ok"),
+        chat_chunk(meta, 0, content="ok"),
+        usage_chunk(meta, "text_completion", prompt_tokens=1, completion_tokens=1),
+    ]
+    assert [o["seed"] for o in objects] == [2**62] * 5
+    assert ChatCompletion.model_validate(objects[1]).model_extra == {"seed": 2**62}
+    assert "seed" not in completion_response(META, choices, **kw)
 
 
 # -- prompts --------------------------------------------------------------------------------------
@@ -549,10 +611,10 @@ def test_completion_logprobs_shape(demo_tok: Tokenizer) -> None:
     ids = demo_tok.encode(" Hello world", add_special_tokens=False)
     texts = [token_string(token_bytes(demo_tok, t)) for t in ids]
     lps = [
-        TokenLogprobs(-0.5 * (i + 1), [(ids[i], -0.5 * (i + 1)), (7, -3.0)])
+        TokenLogprobs(-0.5 * (i + 1), [(ids[i], -0.5 * (i + 1)), (7, -3.0)], 1)
         for i in range(len(ids))
     ]
-    lps[0] = TokenLogprobs(float("-inf"), [(7, -0.1)])  # -inf is no JSON: vLLM's -9999
+    lps[0] = TokenLogprobs(float("-inf"), [(7, -0.1)], 2048)  # -inf is no JSON: vLLM's -9999
     out = completion_logprobs(demo_tok, ids, lps, text_offset=4)
     assert out["tokens"] == texts
     assert out["token_logprobs"] == [-9999.0] + [lp.logprob for lp in lps[1:]]
@@ -567,7 +629,7 @@ def test_completion_logprobs_shape(demo_tok: Tokenizer) -> None:
 
 def test_chat_logprobs_shape(bl_tok: Tokenizer) -> None:
     ids = bl_tok.encode("ok 🙂", add_special_tokens=False)
-    lps = [TokenLogprobs(-1.0, [(ids[0], -1.0)]) for _ in ids]
+    lps = [TokenLogprobs(-1.0, [(ids[0], -1.0)], 1) for _ in ids]
     content = chat_logprobs(bl_tok, ids, lps)["content"]
     assert [bytes(c["bytes"]) for c in content] == [token_bytes(bl_tok, t) for t in ids]
     assert b"".join(bytes(c["bytes"]) for c in content) == "ok 🙂".encode()
@@ -616,7 +678,7 @@ def test_completion_response_parses(demo_tok: Tokenizer) -> None:
             " Hi there",
             ids,
             FinishReason.EOS,
-            [TokenLogprobs(-1.0, [(ids[0], -1.0)])] * len(ids),
+            [TokenLogprobs(-1.0, [(ids[0], -1.0)], 1)] * len(ids),
         ),
     ]
     obj = completion_response(META, choices, prompt_tokens=5, tokenizer=demo_tok)
@@ -646,7 +708,9 @@ def test_completion_response_parses(demo_tok: Tokenizer) -> None:
 
 def test_chat_response_parses(bl_tok: Tokenizer) -> None:
     ids = bl_tok.encode("ok", add_special_tokens=False)
-    choices = [Choice(0, "ok", ids, FinishReason.MAX_TOKENS, [TokenLogprobs(-0.25, [])] * len(ids))]
+    choices = [
+        Choice(0, "ok", ids, FinishReason.MAX_TOKENS, [TokenLogprobs(-0.25, [], 1)] * len(ids))
+    ]
     obj = chat_response(
         ResponseMeta("chatcmpl-1", "demo", 3), choices, prompt_tokens=4, tokenizer=bl_tok
     )
@@ -732,7 +796,7 @@ def fake_server(tok: Tokenizer, seen: list[Any]) -> Callable[[httpx2.Request], h
         meta = ResponseMeta("x-1", req.model, 9)
         out = [
             Choice(p * req.n + j, tok.decode(ids[1:4]), ids[1:4], FinishReason.MAX_TOKENS,
-                   [TokenLogprobs(-1.0, [])] * 3 if sp.logprobs is not None else None)
+                   [TokenLogprobs(-1.0, [], 1)] * 3 if sp.logprobs is not None else None)
             for p, ids in enumerate(prompts)
             for j in range(req.n)
         ]  # fmt: skip
@@ -847,3 +911,119 @@ def test_client_sees_our_errors(client_and_seen: tuple[openai.OpenAI, list[Any]]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="demo", prompt="x", extra_body={"top_kk": 3})
     assert e.value.param == "top_kk"
+
+
+# -- scoring a prompt: echo, max_tokens 0, prompt_logprobs ----------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "max_tokens", "logprobs", "prompt_logprobs"),
+    [
+        ({"echo": True, "logprobs": 3}, 100, 3, 3),  # the echoed prompt shows 3 alternatives
+        ({"echo": True}, 100, None, None),  # text only: nothing to score
+        ({"logprobs": 3}, 100, 3, None),  # no echo: generated tokens only
+        ({"prompt_logprobs": 0}, 100, None, 0),
+        ({"echo": True, "logprobs": 1, "prompt_logprobs": 5}, 100, 1, 5),  # both fields' most
+        ({"echo": True, "logprobs": 2, "prompt_logprobs": 0, "max_tokens": 0}, 1, 2, 2),
+    ],
+)
+def test_scoring_fields_into_sampling_params(
+    fields: dict[str, Any], max_tokens: int, logprobs: int | None, prompt_logprobs: int | None
+) -> None:
+    """The engine computes the alternatives both fields need; ``max_tokens: 0`` runs one token
+    (the app drops it)."""
+    p = params(parse_completion(completion_body(**fields)))
+    assert (p.max_tokens, p.logprobs, p.prompt_logprobs) == (max_tokens, logprobs, prompt_logprobs)
+    with pytest.raises(APIError) as e:
+        params(parse_completion(completion_body(echo=True, max_tokens=0, min_tokens=1)))
+    assert e.value.param == "min_tokens"
+
+
+def lps(ids: list[int], alternatives: list[int]) -> list[TokenLogprobs | None]:
+    """Made-up prompt logprobs: None first, then token i at -i, rank 7, ``alternatives`` on top."""
+    top = [(t, -0.5 * j) for j, t in enumerate(alternatives)]
+    return [None] + [TokenLogprobs(-float(i), top, 7) for i in range(1, len(ids))]
+
+
+def test_echo_and_prompt_logprobs_in_a_completion_choice(demo_tok: Tokenizer) -> None:
+    """Echo: the prompt's text leads the choice's, its tokens lead the logprobs object (the
+    first with null values), with ``logprobs`` alternatives each; ``prompt_logprobs``: vLLM's
+    per-token dicts, the prompt token first (with its rank), then the top ones ranked 1..k.
+    (The official client reads both: tests/e2e/test_api_serve.py.)"""
+    prompt = demo_tok.encode("Hello world")
+    gen = demo_tok.encode(" again", add_special_tokens=False)
+    choice = Choice(
+        0,
+        " again",
+        gen,
+        FinishReason.MAX_TOKENS,
+        [TokenLogprobs(-0.25, [], 1)] * len(gen),
+        Prompt("Hello world", prompt, lps(prompt, [5, 6, 8])),
+    )
+    report = PromptReport(echo=True, logprobs=1, prompt_logprobs=2)
+    obj = completion_response(META, [choice], prompt_tokens=3, tokenizer=demo_tok, report=report)
+    [parsed] = obj["choices"]
+    assert parsed["text"] == "Hello world again"
+    lp = parsed["logprobs"]
+    texts = [token_string(token_bytes(demo_tok, t)) for t in prompt + gen]
+    five, six = (token_string(token_bytes(demo_tok, t)) for t in (5, 6))
+    assert lp["tokens"] == texts
+    scores = [-float(i) for i in range(1, len(prompt))]
+    assert lp["token_logprobs"] == [None, *scores] + [-0.25] * len(gen)
+    assert lp["top_logprobs"][0] is None
+    assert lp["top_logprobs"][1] == {five: 0.0, texts[1]: -1.0}  # 1 alternative, and the token
+    assert lp["top_logprobs"][-1] == {texts[-1]: -0.25}
+    offsets = [0]
+    for t in texts[:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp["text_offset"] == offsets
+    want = [None] + [
+        {
+            str(prompt[i]): {"logprob": -float(i), "rank": 7, "decoded_token": texts[i]},
+            "5": {"logprob": 0.0, "rank": 1, "decoded_token": five},
+            "6": {"logprob": -0.5, "rank": 2, "decoded_token": six},
+        }
+        for i in range(1, len(prompt))
+    ]
+    assert parsed["prompt_logprobs"] == want
+    plain = completion_response(META, [choice], prompt_tokens=3, tokenizer=demo_tok)["choices"]
+    assert plain[0]["text"] == " again" and "prompt_logprobs" not in plain[0]
+    assert plain[0]["logprobs"]["tokens"] == texts[len(prompt) :]
+
+
+@pytest.fixture
+def service(demo_tok: Tokenizer) -> Service:
+    return Service(
+        None,  # type: ignore[arg-type]  # parsing and rendering need no cluster
+        None,  # type: ignore[arg-type]
+        demo_tok,
+        "demo",
+        512,
+        demo_tok.vocab_size,
+        IngressGate(GateConfig()),
+        Metrics(),
+        None,
+    )
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(
+    service: Service, demo_tok: Tokenizer
+) -> None:
+    """lm-eval's scoring call with max_tokens 0: the engine samples one token, which the app
+    drops (text, token, logprob); the choice ends ``length``. Streamed, a choice's first chunk
+    holds the prompt and its logprobs; a later chunk's offsets continue after the prompt."""
+    body = completion_body(prompt=[[5, 6, 7]], echo=True, logprobs=1, max_tokens=0, n=2)
+    job = service._parse(body, "completion", "tenant", 0.0, {})
+    assert job.score_only and [p.max_tokens for p in job.params] == [1, 1]
+    assert job.prompt_texts == [demo_tok.decode([5, 6, 7])] * 2
+    sampled = TokenLogprobs(-2.5, [(9, -1.0)], 3)
+    last = ClientDelta([9], "x", True, FinishReason.EOS, [sampled], lps([5, 6, 7], [9]))
+    [chunk] = service._chunks(job, _Choice(0), _no_tokens(last))
+    (c,) = chunk["choices"]
+    assert (c["text"], c["finish_reason"]) == (job.prompt_texts[0], "length")
+    assert c["logprobs"]["token_logprobs"] == [None, -1.0, -2.0]
+    assert "prompt_logprobs" not in c  # not asked
+    [chunk] = service._chunks(
+        job, _Choice(0, started=True), ClientDelta([9], "y", logprobs=[sampled])
+    )
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [len(job.prompt_texts[0])]

@@ -4,12 +4,14 @@ tokens or none), how each way an attempt ends is taken, and that the text is the
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from helpers import assert_engine_clean
 
 from cluster.client_stream import AttemptFailed, ClientDelta, ClientStream
+from cluster.worker import Outbox, batch_of
 from contracts.messages import RequestSpec, TokenBatch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
@@ -132,3 +134,29 @@ def test_first_token_time_queue_time_and_logprobs_only_when_asked() -> None:
     assert stream.first_token_at is not None and stream.queue_time_s == 0.25
     delta = stream.accept(TokenBatch([4], "d", logprobs=[]), "w")
     assert delta is not None and delta.logprobs is None  # the request asked for none
+
+
+def test_prompt_logprobs_travel_with_the_first_token_both_ways(test_llama: Path) -> None:
+    """Disaggregated, the prefill's first output carries them (the prefill worker's first
+    batch); colocated or with a decode worker's local prefill, the engine's outputs as token
+    batches (``batch_of``) merged in an outbox keep them. The client's first delta has them."""
+    engine = LLMEngine.from_checkpoint(test_llama, EngineConfig(kv_cache_bytes=2**22))
+    params = replace(GREEDY, prompt_logprobs=1)
+    prompt = list(range(40, 60))
+    [[want]] = engine.generate([prompt], params)
+    assert want.prompt_logprobs is not None and len(want.prompt_logprobs) == len(prompt)
+    rid = engine.add_request(prompt, params, prefill_only=True)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    engine.release_kv(rid)
+    assert outs[0].token_ids and outs[0].prompt_logprobs == want.prompt_logprobs
+    outbox = Outbox()
+    for out in engine.stream(prompt, params):
+        outbox.put("a@1", batch_of(out))
+    [(_, [merged])] = outbox.take()
+    assert merged.prompt_logprobs == want.prompt_logprobs
+    delta = ClientStream(RequestSpec("r", prompt, params)).accept(merged, "w")
+    assert delta is not None and delta.prompt_logprobs == want.prompt_logprobs
+    engine.finished_outputs()
+    assert_engine_clean(engine)

@@ -27,7 +27,7 @@ CONFIG = EngineConfig(kv_cache_bytes=2**22, max_num_seqs=8, max_num_batched_toke
 
 
 def test_batches_of_one_attempt_merge_in_order() -> None:
-    lp = TokenLogprobs(logprob=-0.5, top=[(3, -0.5)])
+    lp = TokenLogprobs(logprob=-0.5, top=[(3, -0.5)], rank=1)
     first = TokenBatch([1, 2], "ab", queue_time_s=0.25, logprobs=[lp, lp])
     snap_batch = TokenBatch([3], "c", sampler_snapshot="snap", logprobs=[lp])  # type: ignore[arg-type]
     last = TokenBatch([], "d", finished=True, finish_reason=FinishReason.MAX_TOKENS)

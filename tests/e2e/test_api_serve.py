@@ -214,6 +214,56 @@ def test_logprobs_match_the_engine(
     assert [len(t) for t in lp.top_logprobs] == [2] * 5
 
 
+def test_echo_scores_a_generation_as_it_was_generated(
+    client: openai.OpenAI, engine: LLMEngine, tok: Tokenizer
+) -> None:
+    """Scoring equals generating, over HTTP: prompt + a greedy generation sent back as lm-eval's
+    loglikelihood call (echo, logprobs=1, max_tokens=1) with vLLM's prompt_logprobs gives each
+    generated token the logprob (and top) the generation reported -- the same floats, though
+    the generation's came from a prefill (token 1) and decode steps (the others) and the
+    scoring's from one prefill. max_tokens 0 scores the prompt alone; streamed, the first chunk
+    holds the prompt."""
+    prompt = tok.encode("Once upon a time")
+    gen = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        logprobs=1,
+        extra_body={"ignore_eos": True},
+    )
+    full = prompt + expected(engine, prompt, greedy(6)).token_ids  # what the cluster generated
+    gen_lp = gen.choices[0].logprobs
+    args: dict[str, Any] = {"model": MODEL, "prompt": full, "echo": True, "logprobs": 1}
+    scored = client.completions.create(
+        **args, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 2}
+    )
+    choice = scored.choices[0]
+    lp = choice.logprobs
+    assert gen_lp is not None and lp is not None and lp.tokens is not None
+    assert lp.token_logprobs is not None and lp.top_logprobs is not None
+    assert choice.text.startswith(tok.decode(full)) and len(lp.tokens) == len(full) + 1
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[len(prompt) : len(full)] == gen_lp.token_logprobs
+    assert lp.top_logprobs[len(prompt) : len(full)] == gen_lp.top_logprobs
+    scores = choice.model_extra["prompt_logprobs"] if choice.model_extra else None
+    assert scores is not None and len(scores) == len(full) and scores[0] is None
+    assert [scores[i][str(t)]["logprob"] for i, t in enumerate(full) if i] == (
+        lp.token_logprobs[1 : len(full)]
+    )
+    assert all(len(entry) in (2, 3) for entry in scores[1:])  # the top 2, and the token
+    only = client.completions.create(**args, max_tokens=0)
+    assert only.choices[0].text == tok.decode(full) and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs is not None
+    assert only.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(full)]
+    assert only.usage is not None and only.usage.completion_tokens == 0
+    chunks = list(client.completions.create(**args, max_tokens=2, temperature=0, stream=True))
+    first = chunks[0].choices[0]
+    assert first.text.startswith(tok.decode(full)) and first.logprobs is not None
+    assert first.logprobs.token_logprobs == lp.token_logprobs
+    workers_idle()
+
+
 # -- the SSE wire format ---------------------------------------------------------------------------
 
 

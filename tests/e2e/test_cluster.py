@@ -64,17 +64,19 @@ def prompt(n: int, offset: int = 0) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session: None, test_llama: Path) -> Any:
-    text = TOPOLOGY.format(path=test_llama, engine=ENGINE)
+def cluster(ray_session: None, bf16_llama: Path) -> Any:
+    text = TOPOLOGY.format(path=bf16_llama, engine=ENGINE)
     topology = Topology.from_yaml_text(text)
-    c = run(start_cluster(topology, model_dir=test_llama))
+    c = run(start_cluster(topology, model_dir=bf16_llama))
     yield c
     run(c.shutdown())
 
 
 @pytest.fixture(scope="module")
-def colocated(test_llama: Path) -> LLMEngine:
-    return LLMEngine.from_checkpoint(test_llama, EngineConfig(**ENGINE), model_id="test-llama")
+def colocated(bf16_llama: Path) -> LLMEngine:
+    """The fault-free reference, in bf16: disaggregated, retried and migrated streams must
+    equal it bit for bit (deterministic numerics, issue 16)."""
+    return LLMEngine.from_checkpoint(bf16_llama, EngineConfig(**ENGINE), model_id="test-llama")
 
 
 def expected(engine: LLMEngine, tokens: list[int], params: SamplingParams) -> list[int]:

@@ -61,8 +61,8 @@ def run(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 @pytest.fixture(scope="module")
-def colocated(test_llama: Path) -> LLMEngine:
-    return LLMEngine.from_checkpoint(test_llama, EngineConfig(**ENGINE), model_id="test-llama")
+def colocated(bf16_llama: Path) -> LLMEngine:
+    return LLMEngine.from_checkpoint(bf16_llama, EngineConfig(**ENGINE), model_id="test-llama")
 
 
 @contextmanager
@@ -75,7 +75,7 @@ def launch(text: str, path: Path) -> Iterator[Cluster]:
 
 
 def test_colocated_topology_serves_the_same_tokens(
-    ray_session: None, test_llama: Path, colocated: LLMEngine
+    ray_session: None, bf16_llama: Path, colocated: LLMEngine
 ) -> None:
     cases = [(prompt(n, n), p) for n in (5, 40) for p in (GREEDY, SEEDED)]
 
@@ -88,23 +88,23 @@ def test_colocated_topology_serves_the_same_tokens(
         assert all(r.queue_time_s is not None and r.queue_time_s >= 0 for r in records)
         await assert_clean(c)
 
-    with launch(COLOCATED, test_llama) as c:
+    with launch(COLOCATED, bf16_llama) as c:
         run(body(c))
 
 
 def test_a_second_ingress_attaches_to_the_running_cluster_and_never_starts_another(
-    ray_session: None, test_llama: Path, colocated: LLMEngine
+    ray_session: None, bf16_llama: Path, colocated: LLMEngine
 ) -> None:
     """What a second (or replacement) ingress replica does: ``start_cluster`` with the same
     topology finds the detached actors by name -- the same actors, with their caches -- and
     its own coordinator serves through them; another topology under the same names is
     refused (ClusterMismatch), leaving the running cluster as it was."""
-    topology = Topology.from_yaml_text(COLOCATED.format(path=test_llama, engine=ENGINE))
+    topology = Topology.from_yaml_text(COLOCATED.format(path=bf16_llama, engine=ENGINE))
 
     async def body(first: Cluster) -> None:
         tokens = prompt(40, 7)
         assert await collect(first, tokens, GREEDY) == expected(colocated, tokens, GREEDY)
-        second = await start_cluster(topology, test_llama)
+        second = await start_cluster(topology, bf16_llama)
         ids = {n: w.handle._actor_id for n, w in first.workers.items()}
         assert {n: w.handle._actor_id for n, w in second.workers.items()} == ids
         assert second.router.handle._actor_id == first.router.handle._actor_id
@@ -115,16 +115,16 @@ def test_a_second_ingress_attaches_to_the_running_cluster_and_never_starts_anoth
         assert last["hit_blocks"] == 2  # the cache the first coordinator's request left
         other = topology.model_copy(update={"heartbeat_timeout_s": 9.0})
         with pytest.raises(ClusterMismatch, match="another topology or model"):
-            await start_cluster(other, test_llama)
+            await start_cluster(other, bf16_llama)
         assert {n: w.handle._actor_id for n, w in first.workers.items()} == ids
         await assert_clean(first)
 
-    with launch(COLOCATED, test_llama) as c:
+    with launch(COLOCATED, bf16_llama) as c:
         run(body(c))
 
 
 def test_torch_transport_local_prefill_herding_and_cancel(
-    ray_session: None, test_llama: Path, colocated: LLMEngine, monkeypatch: pytest.MonkeyPatch
+    ray_session: None, bf16_llama: Path, colocated: LLMEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``transport: auto`` where the workers have CUDA (detection faked: these workers run on
     CPU, so torch.distributed takes gloo) is the torch transport, end to end."""
@@ -158,7 +158,7 @@ def test_torch_transport_local_prefill_herding_and_cancel(
         assert c.coordinator.records[-1].status is RequestStatus.CANCELLED
         await assert_clean(c)
 
-    with launch(TORCH, test_llama) as c:
+    with launch(TORCH, bf16_llama) as c:
         run(body(c))
 
 

@@ -8,6 +8,7 @@ Cases of the engine issue, point 3: (a) alone, (b) one continuous batch with sta
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from helpers import assert_engine_clean
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine
+from engine.engine import LLMEngine, StreamOutput
 from engine.request import FinishReason, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -198,18 +199,81 @@ def llama(demo_ckpt_factory) -> Path:
     return demo_ckpt_factory("test", "llama")
 
 
-def test_seeded_request_same_alone_and_batched(llama: Path) -> None:
+def run_one(
+    engine: LLMEngine, prompt: list[int], params: SamplingParams, **kw
+) -> list[StreamOutput]:
+    """Run one request (``add_request`` keywords in ``kw``) to its end; its outputs."""
+    rid = engine.add_request(prompt, params, **kw)
+    outs: list[StreamOutput] = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def test_seeded_request_same_alone_batched_and_resumed(llama: Path) -> None:
+    """A seeded request draws the same tokens alone, among other requests, and resumed after k
+    tokens on a fresh engine: from the snapshot taken there (which alone carries the seed to a
+    request that names none), or from its seed alone -- there is no RNG state to carry."""
     params = SamplingParams(
         temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True
     )
     prompts = make_prompts(2048, seed=3)
     engine = engine_for(llama)
     [[alone]] = engine.generate([prompts[2]], params)
+    assert len(set(alone.token_ids)) > 3 and alone.seed == 1234
     others = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     mixed = engine.generate(
         prompts[:2] + [prompts[2]] + prompts[3:], [others, others, params] + [others] * 5
     )
     assert mixed[2][0].token_ids == alone.token_ids
+    k = 5
+    snap = run_one(engine, prompts[2], params, snapshots=True)[k - 1].sampler_snapshot
+    assert snap is not None and snap.num_output_tokens == k
+    assert_engine_clean(engine)
+
+    fresh = engine_for(llama)
+    for resumed_params, snapshot in ((replace(params, seed=None), snap), (params, None)):
+        outs = run_one(
+            fresh,
+            prompts[2],
+            resumed_params,
+            resume_output=alone.token_ids[:k],
+            sampler_snapshot=snapshot,
+        )
+        assert [t for o in outs for t in o.token_ids] == alone.token_ids[k:]
+        assert outs[-1].finished and outs[-1].seed == 1234
+    assert_engine_clean(fresh)
+
+
+def test_choices_of_a_seeded_request_differ_by_their_index(llama: Path) -> None:
+    """Sample j of an n=2 request draws choice j of the one seed: the two differ, and each is
+    what an n=1 request with ``choice=j`` draws (how the HTTP edge runs choice j)."""
+    prompt = make_prompts(2048, seed=4)[3]
+    params = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    engine = engine_for(llama)
+    [outs] = engine.generate([prompt], params)
+    assert outs[0].token_ids != outs[1].token_ids
+    assert outs[0].seed == outs[1].seed == 7
+    one = replace(params, n=1)
+    split = engine.generate([prompt, prompt], [one, replace(one, choice=1)])
+    assert [c.token_ids for [c] in split] == [o.token_ids for o in outs]
+    assert_engine_clean(engine)
+
+
+def test_an_unseeded_request_records_the_seed_that_reproduces_it(llama: Path) -> None:
+    """A request without a seed draws one at arrival (its choices share it) and reports it;
+    sending that seed back draws the same tokens. Another unseeded request draws another."""
+    prompt = make_prompts(2048, seed=6)[3]
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=12, ignore_eos=True)
+    engine = engine_for(llama)
+    [outs] = engine.generate([prompt], params)
+    seed = outs[0].seed
+    assert outs[1].seed == seed and outs[0].token_ids != outs[1].token_ids
+    [again] = engine.generate([prompt], replace(params, seed=seed))
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    [other] = engine.generate([prompt], params)
+    assert other[0].seed != seed
+    assert run_one(engine, prompt, replace(params, n=1))[-1].seed is not None
     assert_engine_clean(engine)
 
 

@@ -158,7 +158,7 @@ def test_kernel_rejects_bounds_outside_table():
         kernels.paged_decode_attention(q, k_cache, v_cache, tables, torch.tensor([0]), too_far, 1.0)
 
 
-def greedy_tokens(path: Path, backend: str) -> list[list[int]]:
+def greedy_tokens(path: Path, backend: str, deterministic: bool = False) -> list[list[int]]:
     engine = LLMEngine.from_checkpoint(
         path,
         EngineConfig(
@@ -167,9 +167,10 @@ def greedy_tokens(path: Path, backend: str) -> list[list[int]]:
             max_num_seqs=8,
             max_num_batched_tokens=64,
             attention_backend=backend,  # type: ignore[arg-type]
+            deterministic=deterministic,
         ),
     )
-    assert engine.runner.decode_kernel == (backend != "sdpa")
+    assert engine.runner.decode_kernel == (deterministic or backend != "sdpa")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(8, 2048, (n,), generator=g).tolist() for n in (1, 5, 17, 40, 130)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -191,4 +192,15 @@ def test_engine_default_takes_the_kernel_on_cpu(test_llama: Path):
 def test_engine_cpu_kernel_sliding_window(demo_ckpt_factory):
     """A window shorter than the prompts: the kernel's [start, end) bounds must cut it exactly."""
     path = demo_ckpt_factory("test", "mistral", sliding_window=24)
-    assert greedy_tokens(path, "cpu_kernel") == greedy_tokens(path, "sdpa")
+    reference = greedy_tokens(path, "sdpa")
+    assert greedy_tokens(path, "cpu_kernel") == reference
+    # The invariant path runs prefill queries through the kernel too, window cut included.
+    assert greedy_tokens(path, "auto", deterministic=True) == reference
+
+
+def test_engine_invariant_path_matches_sdpa(test_llama: Path):
+    """The deterministic default (invariant GEMM, every query through the paged kernel) gives
+    the fp32 SDPA path's greedy tokens."""
+    assert greedy_tokens(test_llama, "auto", deterministic=True) == greedy_tokens(
+        test_llama, "sdpa"
+    )

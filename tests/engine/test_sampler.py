@@ -1,9 +1,10 @@
 """The sampler (docs/design.md#sampling, #sampling-order): exact supports, processors,
-per-request RNG streams, snapshot/restore, and logprobs."""
+counter-based randomness (#sampling-seeds), snapshot/restore, and logprobs."""
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -21,7 +22,6 @@ from engine.sampler import (
     greedy_token,
     min_p_filter,
     min_p_mask,
-    request_seed,
     temperature_probs,
     top_k_filter,
     top_k_mask,
@@ -29,6 +29,7 @@ from engine.sampler import (
     top_p_mask,
     typical_filter,
     typical_mask,
+    uniform,
 )
 from engine.sampling_params import SamplingParams
 
@@ -267,7 +268,35 @@ def test_contradictory_constraints_fall_back_to_raw_logits() -> None:
     assert out.token_ids == [1]
 
 
-# -- step 8: per-request RNG --------------------------------------------------------------------
+# -- step 8: counter-based randomness -----------------------------------------------------------
+
+
+def test_uniform_is_a_pure_function_of_seed_choice_and_position() -> None:
+    """Same key, same value; each of seed, choice and position changes it; values in [0, 1)."""
+    key = (1234, 1, 7)
+    assert uniform(*key) == uniform(*key)
+    neighbours = [(1235, 1, 7), (1234, 0, 7), (1234, 1, 8), (-1234, 1, 7)]
+    assert all(uniform(*k) != uniform(*key) for k in neighbours)
+    draws = [uniform(s, c, i) for s in (0, -1, 2**63 - 1) for c in range(4) for i in range(834)]
+    assert all(0.0 <= u < 1.0 for u in draws)
+    assert len(set(draws)) == len(draws)
+
+
+def test_uniform_draws_are_uniform() -> None:
+    """10k draws along one sequence's positions: mean 1/2 and variance 1/12 within ~5 standard
+    errors, and every tenth of [0, 1) holds its share (1000 +- 5 sd of 30)."""
+    draws = torch.tensor([uniform(42, 0, i) for i in range(10_000)], dtype=torch.float64)
+    assert abs(float(draws.mean()) - 0.5) < 0.015
+    assert abs(float(draws.var()) - 1 / 12) < 0.006
+    counts = torch.bincount((draws * 10).long(), minlength=10)
+    assert int(counts.min()) > 850 and int(counts.max()) < 1150
+
+
+def test_uniform_key_is_stable() -> None:
+    """The key's byte encoding is fixed (every worker, every version draws alike): the top 53
+    bits of xxh64 over (seed, choice, position) as little-endian int64s."""
+    digest = xxhash.xxh64_intdigest(struct.pack("<qqq", -5, 2, 9))
+    assert uniform(-5, 2, 9) == (digest >> 11) / 2**53
 
 
 def run_steps(
@@ -318,7 +347,8 @@ def test_snapshot_restore_continues_the_identical_stream() -> None:
     snap = original.snapshot()
     expected = run_steps(sampler, [row], [original], 8)[0][5:]
 
-    wire = SamplingSnapshot(bytes(snap.rng_state), snap.num_output_tokens)
+    assert snap == SamplingSnapshot(1234, 0, 5)  # the key and the length: no RNG bytes
+    wire = SamplingSnapshot(snap.seed, snap.choice, snap.num_output_tokens)
     output = list(original.history.output[:5])
     restored = SamplingState.restore(wire, original.params, [5, 6], output)
     assert run_steps(sampler, [row], [restored], 8)[0][5:] == expected
@@ -326,28 +356,49 @@ def test_snapshot_restore_continues_the_identical_stream() -> None:
         SamplingState.restore(wire, original.params, [5, 6], output)
 
 
-def test_request_seed_derivation() -> None:
-    assert request_seed(42, "a", engine_seed=0) == 42
-    assert request_seed(None, "a", 0) == request_seed(None, "a", 0)
-    assert request_seed(None, "a", 0) != request_seed(None, "b", 0)
-    assert request_seed(None, "a", 0) != request_seed(None, "a", 1)
-    assert request_seed(42, "a", 0, sample_index=1) not in (42, request_seed(42, "a", 0, 2))
-    req = Request("r1", [1, 2], SamplingParams(seed=11), eos_token_ids=frozenset({2}))
-    st = SamplingState.for_request(req, engine_seed=0)
-    assert st.generator.initial_seed() == 11 and st.eos_token_ids == {2}
+def test_a_state_rebuilt_from_its_key_and_tokens_continues_the_stream() -> None:
+    """No state but (seed, choice) and the tokens: a fresh state over the first k tokens draws
+    what the uninterrupted one drew after them."""
+    row = torch.randn(32, generator=torch.Generator().manual_seed(6))
+    sampler = Sampler(32)
+    (full,) = run_steps(sampler, [row], [seeded_state()], 10)
+    params = seeded_state().params
+    for k in (1, 4, 9):
+        fresh = SamplingState.create(params, [5, 6], full[:k], seed=1234)
+        assert run_steps(sampler, [row], [fresh], 10 - k)[0] == full
+
+
+def test_for_request_keys_each_sample_by_the_requests_seed_and_its_choice() -> None:
+    req = Request("r1", [1, 2], SamplingParams(seed=11, choice=2), eos_token_ids=frozenset({2}))
+    st = SamplingState.for_request(req, sample_index=1)
+    assert (st.seed, st.choice, st.eos_token_ids) == (11, 3, {2})
+    assert st.params is req.sampling_params and st.history.prompt is req.prompt_token_ids
     req.output_token_ids.append(9)
     assert st.history.output == [9]  # the state reads the request's live output list
 
 
-def test_greedy_rows_do_not_consume_randomness() -> None:
-    st = state(SamplingParams(temperature=0.0))
-    before = st.generator.get_state().clone()
-    Sampler(4)(t([[0.0, 1.0, 2.0, 3.0]]), [st])
-    assert torch.equal(st.generator.get_state(), before)
+def test_an_unseeded_request_draws_and_records_its_seed_at_arrival() -> None:
+    """Each unseeded request gets its own random seed, once; its params then carry it."""
+    params = SamplingParams(no_repeat_ngram_size=2)
+    a, b = Request("a", [1], params), Request("b", [1], params)
+    assert params.seed is None and a.seed != b.seed
+    assert a.sampling_params == SamplingParams(no_repeat_ngram_size=2, seed=a.seed)
+    assert SamplingState.for_request(a).seed == a.seed
+    assert SamplingState.for_request(Request("c", [1], SamplingParams(seed=0))).seed == 0
+
+
+def test_choices_of_one_seed_draw_different_streams() -> None:
+    """Two choices of one seeded request differ by the choice index in the key: over 64 equally
+    likely tokens, 16 equal draws in a row would be a 2^-96 accident."""
+    row = torch.zeros(64)
+    params = SamplingParams(seed=5)
+    states = [SamplingState.create(params, [1], [], seed=5, choice=c) for c in (0, 1)]
+    first, second = run_steps(Sampler(64), [row, row], states, 16)
+    assert first != second
 
 
 def test_draw_uses_inverse_cdf_of_the_filtered_distribution() -> None:
-    """The batched path equals the 1-D functions plus one uniform from the row's generator."""
+    """The batched path equals the 1-D functions plus the inverse CDF at the row's uniform."""
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(4, 40, generator=gen) * 2
     params = [
@@ -367,11 +418,9 @@ def test_draw_uses_inverse_cdf_of_the_filtered_distribution() -> None:
             q = top_p_filter(q, p.top_p)
             q = min_p_filter(q, p.min_p)
             q = typical_filter(q, p.typical_p)
-            u = torch.rand(
-                (), generator=torch.Generator().manual_seed(100 * step + i), dtype=torch.float64
-            )
+            u = uniform(100 * step + i, 0, 0)
             cdf = q.cumsum(-1)
-            assert got[i] == int(torch.searchsorted(cdf, float(u) * cdf[-1], right=True))
+            assert got[i] == int(torch.searchsorted(cdf, u * cdf[-1], right=True))
 
 
 def test_empirical_frequencies_match_the_filtered_distribution() -> None:
@@ -422,51 +471,13 @@ def test_shape_mismatch_is_rejected() -> None:
 # -- pinned by mutation testing (make mutation) --------------------------------------------------
 
 
-def test_unseeded_requests_derive_their_stream_from_request_id_and_engine_seed() -> None:
-    """An unseeded request's generator is seeded from (engine seed, request id, sample index)."""
-    params = SamplingParams(no_repeat_ngram_size=2)
-    a = Request("a", [1, 2], params, eos_token_ids=frozenset({3}))
-    b = Request("b", [1, 2], params)
-    st_a = SamplingState.for_request(a, engine_seed=7, sample_index=2)
-    assert st_a.generator.initial_seed() == xxhash.xxh64_intdigest(b"7:a:2")
-    assert st_a.generator.initial_seed() == request_seed(None, "a", 7, 2)
-    assert st_a.params is params and st_a.eos_token_ids == {3}
-    assert st_a.history.prompt is a.prompt_token_ids and st_a.history.output is a.output_token_ids
-    seeds = {
-        SamplingState.for_request(a, engine_seed=7).generator.initial_seed(),
-        SamplingState.for_request(b, engine_seed=7).generator.initial_seed(),
-        SamplingState.for_request(a, engine_seed=8).generator.initial_seed(),
-        st_a.generator.initial_seed(),
-    }
-    assert len(seeds) == 4  # no two unseeded sequences share a stream
-    row = torch.randn(64, generator=torch.Generator().manual_seed(3))
-    sampler = Sampler(64)
-    draws = run_steps(
-        sampler,
-        [row, row],
-        [
-            SamplingState.for_request(Request("x", [1], SamplingParams()), engine_seed=0),
-            SamplingState.for_request(Request("y", [1], SamplingParams()), engine_seed=0),
-        ],
-        8,
-    )
-    assert draws[0] != draws[1]
-
-
-def test_request_seed_keys_are_stable() -> None:
-    """Derived seeds are xxh64 of a fixed key format, so every worker derives the same one."""
-    assert request_seed(None, "r", 5) == xxhash.xxh64_intdigest(b"5:r:0")
-    assert request_seed(42, "r", 5, sample_index=3) == xxhash.xxh64_intdigest(b"42:3")
-    assert request_seed(0, "r", 5) == 0  # a seed of 0 is a seed, not "unseeded"
-
-
 def test_restore_keeps_the_eos_ids() -> None:
     """A restored state keeps its EOS ids, so min_tokens still masks EOS after a migration."""
     params = SamplingParams(min_tokens=3, seed=5)
     original = SamplingState.create(params, [1], [], seed=5, eos_token_ids=frozenset({2}))
     output = [0]
     restored = SamplingState.restore(
-        SamplingSnapshot(original.snapshot().rng_state, 1),
+        SamplingSnapshot(original.seed, original.choice, 1),
         params,
         [1],
         output,
@@ -520,15 +531,14 @@ def test_top_k_larger_than_the_vocabulary_keeps_everything() -> None:
 
 def test_draw_on_a_cdf_boundary_takes_the_next_positive_token() -> None:
     """A uniform landing exactly on a CDF step selects the token after it, never a zero one."""
-    seed = 12  # its first uniform is 0.7255
-    u = torch.rand((), generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    u32 = float(torch.tensor(float(u), dtype=torch.float32))
+    u = 0.7255
+    u32 = float(torch.tensor(u, dtype=torch.float32))
     probs = torch.tensor([[u32, 0.0, 1.0 - u32]], dtype=torch.float32)
     assert float(probs.cumsum(-1)[0, -1]) == 1.0  # so u * total is exactly cdf[0]
-    assert _draw(probs, [torch.Generator().manual_seed(seed)]).tolist() == [2]
+    assert _draw(probs, [u]).tolist() == [2]
     # an unnormalised row: the uniform is scaled by the row's total mass
     heavy = torch.tensor([[2.0, 2.0]])  # 4 * 0.7255 = 2.9 lies in token 1's step [2, 4)
-    assert _draw(heavy, [torch.Generator().manual_seed(seed)]).tolist() == [1]
+    assert _draw(heavy, [u]).tolist() == [1]
 
 
 def test_one_row_filters_normalise_their_input_first() -> None:

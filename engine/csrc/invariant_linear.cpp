@@ -1,0 +1,289 @@
+// y = x W^T (+ b), batch-invariant: every output element y[m, n] is reduced over K in one fixed
+// order -- k = 0, 1, ..., K-1 into one fp32 accumulator -- whatever M is, wherever row m sits in
+// the batch, and however many threads run. Rows and columns are only ever partitioned (tiles,
+// threads), never the reduction, so a token's output is the same bits alone or in a batch of 64.
+// BLAS/oneDNN GEMMs pick kernels and K splits by shape, so their bits depend on M (issue 16).
+//
+// The weight is packed once (pack_linear) into column panels read in k order, in one of two
+// layouts:
+// * pairs (bf16, CPUs with AVX512-BF16): panels of 64 columns, K in pairs ([K/2][64][2]); one
+//   vdpbf16ps per 16 columns and k pair adds the pair's two products to the fp32 accumulator.
+// * columns (AVX2 FMA): panels of 16 columns ([K][16]); one FMA per k. bf16 panels keep columns
+//   c and c+8 side by side, so one load widens to two fp32 vectors by a shift and a mask; fp32
+//   panels hold them in order. Widening bf16 is exact, so a bf16 weight's fp32 copy gives the
+//   same bits -- the caller takes the bf16 panels for a few rows (half the bytes to stream) and
+//   the fp32 copy for many (no widening in the inner loop, twice the FMA rate).
+// A microkernel keeps MR rows x one panel of accumulators in registers over the whole K; the
+// result gets the bias in fp32 and is rounded once to the output dtype.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TANDEM_AVX2 1
+#endif
+#if defined(__x86_64__) && defined(TANDEM_AVX2)
+// Built for every x86-64 compiler that knows AVX512-BF16, run where the CPU has it.
+#define TANDEM_AVX512BF16 1
+#define TANDEM_TARGET_BF16 __attribute__((target("avx512f,avx512bf16")))
+#endif
+
+namespace {
+
+constexpr int64_t kMR = 6;  // rows per microkernel: 6 x 4 zmm (or 6 x 2 ymm) accumulators
+
+constexpr int64_t kPanelPairs = 64;
+constexpr int64_t kPanelColumns = 16;
+
+inline float widen(uint16_t bits) {
+  const uint32_t w = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &w, sizeof(f));
+  return f;
+}
+
+// fp32 -> bf16 bits, round to nearest even, NaN -> quiet NaN (at::BFloat16's rounding), written
+// branch-free so the epilogue loops vectorize.
+inline uint16_t round_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7fffffffu) > 0x7f800000u ? uint16_t{0x7fc0} : static_cast<uint16_t>(rounded);
+}
+
+// out[c] = tile[c] + bias[c] (no bias: tile[c]), rounded to T, for c < cols.
+template <typename T>
+inline void epilogue(const float* tile, const float* bias, int64_t cols, T* out) {
+  if (bias != nullptr) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const float v = tile[c] + bias[c];
+      if constexpr (std::is_same_v<T, float>) out[c] = v; else out[c] = round_bf16(v);
+    }
+  } else {
+    for (int64_t c = 0; c < cols; ++c) {
+      if constexpr (std::is_same_v<T, float>) out[c] = tile[c]; else out[c] = round_bf16(tile[c]);
+    }
+  }
+}
+
+int64_t panel_width(bool pairs) { return pairs ? kPanelPairs : kPanelColumns; }
+// Rows of k per panel in the packed layout (K rounded up to whole pairs).
+int64_t packed_k(bool pairs, int64_t k) { return pairs ? (k + 1) / 2 * 2 : k; }
+
+// Where weight (n, k) lives in the packed buffer.
+int64_t packed_index(bool pairs, bool bf16, int64_t n, int64_t k, int64_t kp) {
+  const int64_t width = panel_width(pairs), p = n / width, c = n % width;
+  const int64_t base = p * kp * width;
+  if (pairs) return base + (k / 2) * width * 2 + c * 2 + k % 2;
+  if (!bf16) return base + k * width + c;
+  return base + k * width + (c < 8 ? 2 * c : 2 * (c - 8) + 1);
+}
+
+bool cpu_has_bf16_pairs() {
+#ifdef TANDEM_AVX512BF16
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
+// ---- microkernels: out[r][0, width) = sum_k x[r][k] * W[k][panel col], r < MR ---------------
+
+#ifdef TANDEM_AVX512BF16
+template <int MR>
+TANDEM_TARGET_BF16 void kernel_bf16(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kp, float* out) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < kp / 2; ++kk) {
+    const uint16_t* wk = w + kk * 128;
+    const __m512i w0 = _mm512_loadu_si512(wk), w1 = _mm512_loadu_si512(wk + 32);
+    const __m512i w2 = _mm512_loadu_si512(wk + 64), w3 = _mm512_loadu_si512(wk + 96);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * kk, sizeof(pair));
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, (__m512bh)w0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, (__m512bh)w1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xb, (__m512bh)w2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xb, (__m512bh)w3);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * 64 + 16 * j, acc[r][j]);
+}
+#endif
+
+// fp32 x; the weight as fp32 or bf16 (widened in registers).
+template <int MR, bool kBf16W>
+void kernel_fma(const float* x, int64_t ldx, const void* w, int64_t k, float* out) {
+#ifdef TANDEM_AVX2
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  const __m256i high = _mm256_set1_epi32(-65536);
+  for (int64_t kk = 0; kk < k; ++kk) {
+    __m256 w0, w1;
+    if constexpr (kBf16W) {
+      const __m256i v = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(w) + kk * 16));
+      w0 = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      w1 = _mm256_castsi256_ps(_mm256_and_si256(v, high));
+    } else {
+      const float* wf = static_cast<const float*>(w) + kk * 16;
+      w0 = _mm256_loadu_ps(wf);
+      w1 = _mm256_loadu_ps(wf + 8);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + kk);
+      acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(out + r * 16, acc[r][0]);
+    _mm256_storeu_ps(out + r * 16 + 8, acc[r][1]);
+  }
+#else
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t c = 0; c < 16; ++c) {
+      float acc = 0.0f;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        const float wv = kBf16W ? widen(static_cast<const uint16_t*>(w)[kk * 16 + (c < 8 ? 2 * c : 2 * (c - 8) + 1)])
+                                : static_cast<const float*>(w)[kk * 16 + c];
+        acc = std::fma(x[r * ldx + kk], wv, acc);
+      }
+      out[r * 16 + c] = acc;
+    }
+  }
+#endif
+}
+
+// x: bf16 pairs (pairs layout) or fp32 (columns layout).
+template <int MR>
+void run_kernel(bool pairs, bool bf16_weight, const void* x, int64_t ldx, const void* w,
+                int64_t kp, float* out) {
+#ifdef TANDEM_AVX512BF16
+  if (pairs) {
+    return kernel_bf16<MR>(static_cast<const uint16_t*>(x), ldx,
+                           static_cast<const uint16_t*>(w), kp, out);
+  }
+#endif
+  if (bf16_weight) return kernel_fma<MR, true>(static_cast<const float*>(x), ldx, w, kp, out);
+  kernel_fma<MR, false>(static_cast<const float*>(x), ldx, w, kp, out);
+}
+
+void run_rows(int64_t rows, bool pairs, bool bf16_weight, const void* x, int64_t ldx,
+              const void* w, int64_t kp, float* out) {
+  switch (rows) {
+    case 1: return run_kernel<1>(pairs, bf16_weight, x, ldx, w, kp, out);
+    case 2: return run_kernel<2>(pairs, bf16_weight, x, ldx, w, kp, out);
+    case 3: return run_kernel<3>(pairs, bf16_weight, x, ldx, w, kp, out);
+    case 4: return run_kernel<4>(pairs, bf16_weight, x, ldx, w, kp, out);
+    case 5: return run_kernel<5>(pairs, bf16_weight, x, ldx, w, kp, out);
+    default: return run_kernel<6>(pairs, bf16_weight, x, ldx, w, kp, out);
+  }
+}
+
+}  // namespace
+
+// Whether this CPU runs the pairs layout (AVX512-BF16).
+bool bf16_pairs_supported() { return cpu_has_bf16_pairs(); }
+
+// weight [N, K] (float32 or bfloat16) -> its packed panels, 1-D, same dtype; `pairs` (bf16 only,
+// where bf16_pairs_supported) picks the pairs layout, else the columns layout.
+torch::Tensor pack_linear(torch::Tensor weight, bool pairs) {
+  TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "pack_linear: CPU weight [N, K]");
+  const bool bf16 = weight.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || weight.scalar_type() == at::kFloat, "pack_linear: float32 or bfloat16");
+  TORCH_CHECK(!pairs || (bf16 && cpu_has_bf16_pairs()),
+              "pack_linear: the pairs layout needs bf16 weights and an AVX512-BF16 CPU");
+  const int64_t n = weight.size(0), k = weight.size(1), kp = packed_k(pairs, k);
+  const int64_t width = panel_width(pairs), panels = (n + width - 1) / width;
+  const torch::Tensor wc = weight.contiguous();
+  torch::Tensor packed = torch::zeros({panels * kp * width}, weight.options());
+  const int64_t elem = static_cast<int64_t>(weight.element_size());
+  const char* src = static_cast<const char*>(wc.data_ptr());
+  char* dst = static_cast<char*>(packed.data_ptr());
+  at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t col = 0; col < k; ++col)
+        std::memcpy(dst + packed_index(pairs, bf16, row, col, kp) * elem,
+                    src + (row * k + col) * elem, elem);
+  });
+  return packed;
+}
+
+// x [M, K] (bf16 or fp32), panels from pack_linear(weight [n, K], pairs), optional bias [n]
+// -> y [M, n] in x's dtype. The columns layout takes a bf16 x with fp32 panels too (a bf16
+// weight's widened copy): the same bits as its bf16 panels.
+torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
+                               c10::optional<torch::Tensor> bias, bool pairs) {
+  TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "invariant_linear: CPU x [M, K]");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const bool bf16_weight = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "invariant_linear: float32 or bfloat16 x");
+  TORCH_CHECK(bf16_weight || packed.scalar_type() == at::kFloat,
+              "invariant_linear: float32 or bfloat16 weight");
+  TORCH_CHECK(!pairs || (bf16 && bf16_weight && cpu_has_bf16_pairs()),
+              "invariant_linear: the pairs layout needs bf16 x and weight on an AVX512-BF16 CPU");
+  const int64_t m = x.size(0), k = x.size(1), kp = packed_k(pairs, k);
+  const int64_t width = panel_width(pairs), panels = (n + width - 1) / width;
+  TORCH_CHECK(packed.numel() == panels * kp * width, "invariant_linear: packed size mismatch");
+  torch::Tensor xc = x.contiguous();
+  // The x each microkernel reads: bf16 padded to whole pairs, or fp32.
+  torch::Tensor xs;
+  if (pairs) {
+    xs = kp == k ? xc : torch::constant_pad_nd(xc, {0, kp - k});
+  } else {
+    xs = xc.to(at::kFloat);
+  }
+  torch::Tensor bc;
+  if (bias.has_value()) {
+    bc = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bc.numel() == n, "invariant_linear: bias has ", bc.numel(), " elements, want ", n);
+  }
+  const float* bp = bias.has_value() ? bc.data_ptr<float>() : nullptr;
+  torch::Tensor y = torch::empty({m, n}, x.options());
+  if (m == 0) return y;
+  const int64_t elem = static_cast<int64_t>(xs.element_size());
+  const char* xp = static_cast<const char*>(xs.data_ptr());
+  const char* wp = static_cast<const char*>(packed.data_ptr());
+  const int64_t panel_bytes = kp * width * static_cast<int64_t>(packed.element_size());
+  uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
+  float* yf = bf16 ? nullptr : y.data_ptr<float>();
+  // Rows in blocks whose x stays in L2 (~256 KB) while the thread's panels pass over it.
+  const int64_t block_rows = std::max<int64_t>(kMR, (1 << 18) / (kp * elem) / kMR * kMR);
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(kMR * width);
+    for (int64_t b0 = 0; b0 < m; b0 += block_rows) {
+      const int64_t b1 = std::min(m, b0 + block_rows);
+      for (int64_t p = begin; p < end; ++p) {
+        const int64_t n0 = p * width, cols = std::min(width, n - n0);
+        const float* bias_cols = bp != nullptr ? bp + n0 : nullptr;
+        for (int64_t r0 = b0; r0 < b1; r0 += kMR) {
+          const int64_t rows = std::min(kMR, b1 - r0);
+          run_rows(rows, pairs, bf16_weight, xp + r0 * kp * elem, kp, wp + p * panel_bytes, kp,
+                   tile.data());
+          for (int64_t r = 0; r < rows; ++r) {
+            const float* t = tile.data() + r * width;
+            if (bf16) {
+              epilogue(t, bias_cols, cols, yb + (r0 + r) * n + n0);
+            } else {
+              epilogue(t, bias_cols, cols, yf + (r0 + r) * n + n0);
+            }
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
