@@ -1,6 +1,7 @@
 """Deterministic serving (issue 16): what the batch-invariant path costs, and what it buys.
 
-    .venv/bin/python -m bench.determinism_bench [--sizes small tiny] [--runs 100]
+    .venv/bin/python -m bench.determinism_bench [--sizes small tiny] [--rounds 2]
+        [--distinct-sizes small] [--runs 100] [--out determinism_bench]
 
 Cost: the engine bench's workload (64 requests x 128 prompt tokens -> 128 output tokens, greedy,
 bf16) on two engines in one process -- ``deterministic: true`` (the invariant GEMM and every
@@ -55,24 +56,24 @@ def engine(model: Path, deterministic: bool, n: int) -> LLMEngine:
 
 
 def prefill_rate(eng: LLMEngine, vocab: int, seed: int) -> float:
-    """Prompt tokens per second of 16 x 128-token prompts producing one token each."""
-    prompts = prompts_for(16, 128, vocab, seed=seed)
+    """Prompt tokens per second of 64 x 128-token prompts producing one token each."""
+    prompts = prompts_for(64, 128, vocab, seed=seed)
     t0 = time.perf_counter()
     eng.generate(prompts, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    return 16 * 128 / (time.perf_counter() - t0)
+    return 64 * 128 / (time.perf_counter() - t0)
 
 
-def cost(model: Path, n: int, plen: int, olen: int) -> dict[str, dict[str, Any]]:
-    """Every figure of both paths, measured ABBA (each figure: both orders, runs averaged)."""
+def cost(model: Path, n: int, plen: int, olen: int, rounds: int) -> dict[str, dict[str, Any]]:
+    """Every figure of both paths, measured ABBA ``rounds`` times (figures: means of runs)."""
     engines = {name: engine(model, det, n) for name, det in PATHS.items()}
     vocab = engines["invariant"].model_config.vocab_size
     for eng in engines.values():
         tandem_throughput(eng, prompts_for(4, plen, vocab, seed=3), 4)  # warm-up
     runs: dict[str, dict[str, list[float]]] = {name: {} for name in PATHS}
-    order = ["invariant", "fastest", "fastest", "invariant"]
+    order = ["invariant", "fastest", "fastest", "invariant"] * rounds
     for rep, name in enumerate(order):
         eng, out = engines[name], runs[name]
-        log(f"{model.name}: {name} (pass {rep + 1}/4)")
+        log(f"{model.name}: {name} (pass {rep + 1}/{len(order)})")
         out.setdefault("tok_s_batch", []).append(
             tandem_throughput(eng, prompts_for(n, plen, vocab, seed=10 + rep), olen)
         )
@@ -133,17 +134,21 @@ def _key(out) -> tuple:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", nargs="+", default=["small", "tiny"])
+    ap.add_argument("--sizes", nargs="*", default=["small", "tiny"], help="cost: these models")
+    ap.add_argument("--rounds", type=int, default=2, help="ABBA rounds of the cost figures")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=100, help="runs under load per distinct count")
-    ap.add_argument("--distinct-sizes", nargs="+", default=["tiny"])
+    ap.add_argument("--distinct-sizes", nargs="*", default=["small"])
+    ap.add_argument("--out", default="determinism_bench", help="results file name (no suffix)")
     a = ap.parse_args()
     torch.manual_seed(0)
     result: dict = {"workload": vars(a), "cost": {}, "distinct": {}}
     for size in a.sizes:
-        result["cost"][size] = cost(ensure_model(size), a.requests, a.prompt_len, a.output_len)
+        result["cost"][size] = cost(
+            ensure_model(size), a.requests, a.prompt_len, a.output_len, a.rounds
+        )
     for size in a.distinct_sizes:
         result["distinct"][size] = {}
         for name, det in PATHS.items():
@@ -165,9 +170,9 @@ def main() -> None:
                 f"{size:<6} {name:<10} greedy {counts['greedy']:>3}  seeded {counts['seeded']:>3}"
             )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "determinism_bench.json").write_text(json.dumps(result, indent=2))
-    plot(result, RESULTS / "determinism_bench.png")
-    log(f"wrote {RESULTS / 'determinism_bench.json'} and determinism_bench.png")
+    (RESULTS / f"{a.out}.json").write_text(json.dumps(result, indent=2))
+    plot(result, RESULTS / f"{a.out}.png")
+    log(f"wrote {RESULTS / a.out}.json and .png")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -178,6 +183,8 @@ def plot(result: dict, path: Path) -> None:
 
     sizes = list(result["cost"])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    if not sizes:
+        axes[0].set_visible(False)
     labels = ["tok_s_batch", "tok_s_1", "prefill_tok_s"]
     width = 0.8 / max(len(sizes), 1)
     for i, size in enumerate(sizes):

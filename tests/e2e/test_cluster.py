@@ -26,6 +26,7 @@ from contracts.messages import RequestSpec
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.request import RequestStatus
+from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from tandem.launch import Cluster, start_cluster
 from tandem.topology import Topology
@@ -46,8 +47,11 @@ lease_timeout_s: 20
 heartbeat_interval_s: 0.2
 heartbeat_timeout_s: 2.0
 """
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
+# With logprobs: tokens and every logprob must equal the colocated engine's, bit for bit.
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
+SEEDED = SamplingParams(
+    temperature=0.8, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True, logprobs=2
+)
 _ids = itertools.count()
 
 
@@ -80,15 +84,28 @@ def colocated(bf16_llama: Path) -> LLMEngine:
 
 
 def expected(engine: LLMEngine, tokens: list[int], params: SamplingParams) -> list[int]:
+    return expected_with_logprobs(engine, tokens, params)[0]
+
+
+def expected_with_logprobs(
+    engine: LLMEngine, tokens: list[int], params: SamplingParams
+) -> tuple[list[int], list[TokenLogprobs]]:
     [[out]] = engine.generate([tokens], params)
-    return out.token_ids
+    return out.token_ids, out.logprobs or []
 
 
 async def collect(c: Cluster, tokens: list[int], params: SamplingParams, **kw: Any) -> list[int]:
+    return (await collect_with_logprobs(c, tokens, params, **kw))[0]
+
+
+async def collect_with_logprobs(
+    c: Cluster, tokens: list[int], params: SamplingParams, **kw: Any
+) -> tuple[list[int], list[TokenLogprobs]]:
     spec = RequestSpec(f"r{next(_ids)}", tokens, params, arrival_time=time.time(), **kw)
     deltas: list[ClientDelta] = [d async for d in c.coordinator.generate(spec)]
     assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
-    return [t for d in deltas for t in d.token_ids]
+    ids = [t for d in deltas for t in d.token_ids]
+    return ids, [lp for d in deltas for lp in d.logprobs or []]
 
 
 async def assert_clean(c: Cluster) -> None:
@@ -119,8 +136,8 @@ def test_disaggregated_equals_colocated(cluster: Cluster, colocated: LLMEngine) 
     cases = [(prompt(n, n), p) for n in (3, 16, 17, 40, 90) for p in (GREEDY, SEEDED)]
 
     async def body() -> None:
-        got = await asyncio.gather(*(collect(cluster, t, p) for t, p in cases))
-        assert got == [expected(colocated, t, p) for t, p in cases]
+        got = await asyncio.gather(*(collect_with_logprobs(cluster, t, p) for t, p in cases))
+        assert got == [expected_with_logprobs(colocated, t, p) for t, p in cases]
         # Each record has the queue time of the prefill engine that made its first token.
         records = cluster.coordinator.records[-len(cases) :]
         assert all(r.queue_time_s is not None and r.queue_time_s >= 0 for r in records)
@@ -143,8 +160,8 @@ def test_killed_worker_gives_the_fault_free_stream(
 
     async def body() -> None:
         await arm(cluster, role, Fault(point, FaultAction.CRASH, at=at, attempt=1))
-        got = await collect(cluster, tokens, SEEDED)
-        assert got == expected(colocated, tokens, SEEDED)
+        got = await collect_with_logprobs(cluster, tokens, SEEDED)
+        assert got == expected_with_logprobs(colocated, tokens, SEEDED)
         [record] = cluster.coordinator.records[-1:]
         assert record.attempts == 2 and record.migrations == migrations
         await assert_clean(cluster)

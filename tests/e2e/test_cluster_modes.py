@@ -14,7 +14,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_cluster import ENGINE, GREEDY, SEEDED, assert_clean, collect, expected, prompt
+from test_cluster import (
+    ENGINE,
+    GREEDY,
+    SEEDED,
+    assert_clean,
+    collect,
+    collect_with_logprobs,
+    expected,
+    expected_with_logprobs,
+    prompt,
+)
 
 from cluster.retry import RetriesExhausted
 from contracts.messages import RequestSpec
@@ -134,8 +144,8 @@ def test_torch_transport_local_prefill_herding_and_cancel(
         assert c.transport is Transport.TORCH
         # Over torch.distributed (gloo), and a short prompt prefilled on the decode worker.
         cases = [(prompt(60, 1), SEEDED), (prompt(6, 2), GREEDY)]
-        got = [await collect(c, t, p) for t, p in cases]
-        assert got == [expected(colocated, t, p) for t, p in cases]
+        got = [await collect_with_logprobs(c, t, p) for t, p in cases]
+        assert got == [expected_with_logprobs(colocated, t, p) for t, p in cases]
         [pull] = await c.workers["decode-0"].transfer_records()
         assert pull.transport == "torch" and pull.num_bytes > 0
         modes = [d["mode"] for d in await c.router.decisions()]
