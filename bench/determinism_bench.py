@@ -195,6 +195,8 @@ def plot(result: dict, path: Path) -> None:
     axes[0].set_ylabel("invariant path cost, % of the fastest path")
     axes[0].legend()
     rows = [(s, n, c) for s, paths in result["distinct"].items() for n, c in paths.items()]
+    if not rows:
+        axes[1].set_visible(False)
     names = [f"{s}/{n}" for s, n, _ in rows]
     axes[1].bar(
         [x - 0.2 for x in range(len(rows))], [c["greedy"] for *_, c in rows], 0.4, label="greedy"

@@ -449,21 +449,10 @@ def test_choice_params_keep_the_seed_and_name_the_choice() -> None:
 
 @pytest.mark.parametrize("seed", [None, -3])
 def test_the_app_gives_every_choice_one_seed_and_reports_it(
-    demo_tok: Tokenizer, seed: int | None
+    service: Service, seed: int | None
 ) -> None:
     """The seed asked for, else one drawn per request: every choice carries it with its own
     choice index, and the response reports it. Two unseeded requests draw different seeds."""
-    service = Service(
-        None,  # type: ignore[arg-type]  # parsing needs no cluster
-        None,  # type: ignore[arg-type]
-        demo_tok,
-        "demo",
-        512,
-        demo_tok.vocab_size,
-        IngressGate(GateConfig()),
-        Metrics(),
-        None,
-    )
 
     def parse() -> Any:
         body = completion_body(prompt=["a", "b"], n=2, seed=seed)

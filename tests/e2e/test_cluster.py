@@ -243,7 +243,7 @@ def test_a_hung_worker_is_routed_around_its_request_migrated_then_it_rejoins(
         while len(decisions := await cluster.router.decisions()) <= before:
             await asyncio.sleep(0.01)
         hung = decisions[before]["decode"]
-        # Stalled 4x the heartbeat timeout: its silence, not its answers, must give it away.
+        # Stalled 6x the heartbeat timeout: its silence, not its answers, must give it away.
         stall = Fault(FaultPoint.DECODE_TOKENS, FaultAction.STALL, at=0, seconds=stall_s)
         stalled_at = time.time()
         await cluster.workers[hung].set_faults(FaultPlan([stall]))
