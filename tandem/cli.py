@@ -145,7 +145,38 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
     st.add_argument("--json", action="store_true", help="print the raw JSON")
     st.set_defaults(func=cmd_status)
+
+    tb = sub.add_parser("testbed", help="hosts in network namespaces on this machine (root)")
+    tb_sub = tb.add_subparsers(dest="testbed_command", required=True)
+    tb_up = tb_sub.add_parser("up", help="start the hosts (keeps a running bed of this shape)")
+    tb_up.add_argument("--nodes", type=int, default=3)
+    tb_up.add_argument("--domains", default=None, help="failure domains, comma-separated")
+    tb_up.add_argument("--subnet", default=None, help="the bed's private subnet (10.213.0.0/24)")
+    tb_up.set_defaults(func=cmd_testbed_up)
+    tb_down = tb_sub.add_parser("down", help="remove every host, link, process and key")
+    tb_down.set_defaults(func=cmd_testbed_down)
     return p
+
+
+def cmd_testbed_up(a: argparse.Namespace) -> int:
+    """Start the bed; print its hosts as JSON (name, address, domain) and the key's path."""
+    from tandem import testbed
+
+    domains = a.domains.split(",") if a.domains else None
+    try:
+        bed = testbed.up(a.nodes, domains, subnet=a.subnet or testbed.SUBNET)
+    except testbed.TestbedUnavailable as e:
+        print(f"tandem: testbed unavailable: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(testbed.to_json(bed), indent=2))
+    return 0
+
+
+def cmd_testbed_down(a: argparse.Namespace) -> int:
+    from tandem import testbed
+
+    testbed.down()
+    return 0
 
 
 STATUS_COLUMNS = (

@@ -12,8 +12,9 @@ from typing import Any, Literal
 import pytest
 from hypothesis import Phase, settings
 
-# Ray reads these when it is imported: set before any test module imports it (loopback only,
-# no auth on test clusters: docs/design.md#ray-runtime).
+# Ray reads these when it is imported: set before any test module imports it (loopback only --
+# or the hosts of a test bed the tests made, tandem/testbed.py -- and no auth on test clusters:
+# docs/design.md#ray-runtime).
 from tandem.bootstrap import LOOPBACK_ENV, init_ray  # noqa: I001
 
 os.environ.update(LOOPBACK_ENV)

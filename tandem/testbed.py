@@ -1,0 +1,352 @@
+"""A test bed of hosts on this machine (issue 17): each host is a network namespace with its own
+address on a private bridge the bed creates, loopback up, and an sshd listening on that address
+only, reached with a key pair made for the bed. ``ray up`` and the node-level faults run on it.
+
+Layout (``SUBNET`` = 10.213.0.0/24 unless given): bridge ``tdm-br0`` in the root namespace at
+``.254``; host ``i`` is namespace ``tdm-h<i>`` with ``eth0`` at ``.<i + 1>``, joined to the
+bridge by the veth ``tdm-h<i>-v``. The hosts have no default route: they reach each other and
+the root namespace's bridge address, nothing else. State (keys, sshd configs and pid files,
+``bed.json``) lives in ``tandem_home()/testbed``. :func:`down` removes everything by name, so it
+also cleans up after a run that crashed half-way. Needs root (CAP_NET_ADMIN), iproute2 and
+OpenSSH's server; :class:`TestbedUnavailable` says which is missing.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tandem.demo import tandem_home
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+PREFIX = "tdm"
+BRIDGE = f"{PREFIX}-br0"
+SUBNET = "10.213.0.0/24"
+SSH_PORT = 22
+# deploy/cluster-testbed.yaml's cluster_name, in Ray's local-provider state file.
+RAY_LOCAL_STATE = "/tmp/ray/cluster-tandem-testbed.state"
+READY_TIMEOUT_S = 20.0
+
+
+class TestbedUnavailable(RuntimeError):
+    """This machine cannot run the test bed (not root, no iproute2, no sshd): the reason."""
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str  # the network namespace
+    address: str  # eth0's address, sshd's only listening address
+    domain: str  # the failure domain its Ray node will be labelled with
+
+
+@dataclass(frozen=True)
+class Testbed:
+    hosts: list[Host]
+    bridge_address: str  # the root namespace's address on the bed
+    key: Path  # the bed's private key (user root)
+    state_dir: Path
+
+    def ssh_args(self, host: Host) -> list[str]:
+        """The ``ssh`` command line that runs a command on ``host`` (append the command)."""
+        return [
+            "ssh",
+            "-i",
+            str(self.key),
+            "-o",
+            "BatchMode=yes",
+            "-o",
+            "StrictHostKeyChecking=no",
+            "-o",
+            "UserKnownHostsFile=/dev/null",
+            "-o",
+            "LogLevel=ERROR",
+            f"root@{host.address}",
+        ]
+
+    def ssh(self, host: Host, command: str, timeout_s: float = 30.0) -> str:
+        """Run ``command`` on ``host`` over SSH; its stdout. Raises CalledProcessError."""
+        out = subprocess.run(
+            [*self.ssh_args(host), command],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=True,
+        )
+        return out.stdout
+
+
+def default_state_dir() -> Path:
+    return tandem_home() / "testbed"
+
+
+def check_possible() -> None:
+    """Raise :class:`TestbedUnavailable` unless namespaces, links and sshd can be made here."""
+    if os.geteuid() != 0:
+        raise TestbedUnavailable(
+            "the test bed needs root (CAP_NET_ADMIN) to create network namespaces and links"
+        )
+    for tool, package in (
+        ("ip", "iproute2"),
+        ("ssh", "openssh-client"),
+        ("ssh-keygen", "openssh-client"),
+    ):
+        if shutil.which(tool) is None:
+            raise TestbedUnavailable(f"`{tool}` not found: install {package}")
+    if not Path(_sshd()).exists():
+        raise TestbedUnavailable("/usr/sbin/sshd not found: install openssh-server")
+    probe = f"{PREFIX}-probe"
+    try:
+        _ip("netns", "add", probe)
+    except subprocess.CalledProcessError as exc:
+        raise TestbedUnavailable(
+            f"cannot create a network namespace: {exc.stderr.strip()}"
+        ) from exc
+    _ip("netns", "del", probe)
+
+
+def up(
+    nodes: int,
+    domains: list[str] | None = None,
+    subnet: str = SUBNET,
+    state_dir: Path | None = None,
+) -> Testbed:
+    """Start (or keep, when the running bed is this one and alive) ``nodes`` hosts; host ``i``
+    is in domain ``domains[i % len(domains)]`` (default: its own, ``h<i>``)."""
+    if nodes < 1:
+        raise ValueError(f"nodes={nodes}: a bed needs at least one host")
+    state_dir = state_dir or default_state_dir()
+    net = ipaddress.ip_network(subnet)
+    if net.num_addresses - 3 < nodes:  # network, broadcast and the bridge's own address
+        raise ValueError(f"subnet {subnet} has no room for {nodes} hosts")
+    names = domains or [f"h{i}" for i in range(nodes)]
+    hosts = [
+        Host(f"{PREFIX}-h{i}", str(net.network_address + i + 1), names[i % len(names)])
+        for i in range(nodes)
+    ]
+    bridge_address = str(net.broadcast_address - 1)
+    bed = Testbed(hosts, bridge_address, state_dir / "id_ed25519", state_dir)
+    running = load(state_dir)
+    if running is not None and running.hosts == hosts and _alive(running):
+        return running
+    check_possible()
+    down(state_dir)
+    state_dir.mkdir(parents=True)
+    _keys(state_dir)
+    prefix = net.prefixlen
+    _ip("link", "add", BRIDGE, "type", "bridge")
+    _ip("addr", "add", f"{bridge_address}/{prefix}", "dev", BRIDGE)
+    _ip("link", "set", BRIDGE, "up")
+    Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
+    for host in hosts:
+        veth = f"{host.name}-v"
+        _ip("netns", "add", host.name)
+        _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", host.name)
+        _ip("link", "set", veth, "master", BRIDGE, "up")
+        _ip("-n", host.name, "link", "set", "lo", "up")
+        _ip("-n", host.name, "addr", "add", f"{host.address}/{prefix}", "dev", "eth0")
+        _ip("-n", host.name, "link", "set", "eth0", "up")
+        _start_sshd(host, _sshd_config(state_dir, host))
+    (state_dir / "bed.json").write_text(json.dumps(to_json(bed), indent=2))
+    # The checkout whose .venv the bed's hosts run (deploy/cluster-testbed.yaml reads it).
+    (state_dir / "checkout").write_text(str(CHECKOUT))
+    _wait_ready(bed)
+    return bed
+
+
+def down(state_dir: Path | None = None) -> None:
+    """Remove every host, link and process of the bed, and its state -- found by name, so a bed
+    a crashed run left half-made goes too. Nothing to remove is not an error."""
+    state_dir = state_dir or default_state_dir()
+    for ns in namespaces():
+        for pid in _ip("netns", "pids", ns).split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _ip("netns", "del", ns)
+    for link in links():
+        try:
+            _ip("link", "del", link)
+        except subprocess.CalledProcessError:
+            pass  # a veth went with its peer's namespace
+    shutil.rmtree(state_dir, ignore_errors=True)
+    # Ray's local provider keeps its view of the bed's nodes here; the next `ray up` must not
+    # take the hosts of a bed that is gone for running or terminated.
+    Path(RAY_LOCAL_STATE).unlink(missing_ok=True)
+
+
+# -- node-level faults (the chaos harness builds on them) ----------------------------------------
+
+
+def kill_host(host: Host) -> list[int]:
+    """Every process of ``host`` SIGKILLed at once, as when a machine dies (its sshd too): its
+    PID namespace's init, which takes the rest with it, and anything else in its network
+    namespace. Returns the (root-namespace) pids that were there. The namespace and its
+    address stay: :func:`revive_host`."""
+    pids = [int(p) for p in _ip("netns", "pids", host.name).split()]
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return pids
+
+
+def revive_host(bed: Testbed, host: Host) -> None:
+    """Start ``host``'s sshd again after :func:`kill_host` (a rebooted machine)."""
+    _start_sshd(host, bed.state_dir / f"sshd-{host.name}.conf")
+    _wait_ready(Testbed([host], bed.bridge_address, bed.key, bed.state_dir))
+
+
+def partition(host: Host) -> None:
+    """Cut ``host`` off the bed, both directions (its link to the bridge down); its processes
+    keep running and time out, as behind a failed switch port."""
+    _ip("link", "set", f"{host.name}-v", "down")
+
+
+def heal(host: Host) -> None:
+    """Undo :func:`partition`."""
+    _ip("link", "set", f"{host.name}-v", "up")
+
+
+def namespaces() -> list[str]:
+    """The bed's network namespaces that exist now."""
+    out = _ip("netns", "list")
+    return [line.split()[0] for line in out.splitlines() if line.startswith(f"{PREFIX}-")]
+
+
+def links() -> list[str]:
+    """The bed's links in the root namespace that exist now."""
+    out = _ip("-o", "link", "show")
+    names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
+    return [n for n in names if n.startswith(f"{PREFIX}-")]
+
+
+def load(state_dir: Path | None = None) -> Testbed | None:
+    """The bed recorded in ``state_dir``, or None."""
+    path = (state_dir or default_state_dir()) / "bed.json"
+    if not path.exists():
+        return None
+    data = json.loads(path.read_text())
+    return Testbed(
+        [Host(**h) for h in data["hosts"]],
+        data["bridge_address"],
+        Path(data["key"]),
+        Path(data["state_dir"]),
+    )
+
+
+def to_json(bed: Testbed) -> dict[str, object]:
+    """What ``bed.json`` (and ``tandem testbed up``) records of a bed."""
+    return {
+        "hosts": [asdict(h) for h in bed.hosts],
+        "bridge_address": bed.bridge_address,
+        "key": str(bed.key),
+        "state_dir": str(bed.state_dir),
+    }
+
+
+def _alive(bed: Testbed) -> bool:
+    """Every host's namespace exists and its sshd answers."""
+    present = set(namespaces())
+    return all(h.name in present for h in bed.hosts) and all(_answers(h) for h in bed.hosts)
+
+
+def _answers(host: Host, timeout_s: float = 1.0) -> bool:
+    try:
+        with socket.create_connection((host.address, SSH_PORT), timeout=timeout_s) as conn:
+            return conn.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+def _wait_ready(bed: Testbed) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    for host in bed.hosts:
+        while not _answers(host):
+            if time.monotonic() > deadline:
+                raise TestbedUnavailable(f"sshd on {host.name} ({host.address}) did not answer")
+            time.sleep(0.05)
+
+
+def _keys(state_dir: Path) -> None:
+    """The bed's client key pair and one host key, made fresh for each bed."""
+    for name in ("id_ed25519", "ssh_host_ed25519_key"):
+        subprocess.run(
+            ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(state_dir / name)],
+            check=True,
+        )
+    shutil.copy(state_dir / "id_ed25519.pub", state_dir / "authorized_keys")
+
+
+def _sshd_config(state_dir: Path, host: Host) -> Path:
+    path = state_dir / f"sshd-{host.name}.conf"
+    path.write_text(
+        f"ListenAddress {host.address}:{SSH_PORT}\n"
+        f"HostKey {state_dir / 'ssh_host_ed25519_key'}\n"
+        f"AuthorizedKeysFile {state_dir / 'authorized_keys'}\n"
+        "PidFile none\n"
+        "PermitRootLogin prohibit-password\n"
+        "PasswordAuthentication no\n"
+        "KbdInteractiveAuthentication no\n"
+        "UsePAM no\n"
+        "StrictModes no\n"
+        "PrintMotd no\n"
+    )
+    return path
+
+
+def _start_sshd(host: Host, config: Path) -> None:
+    """The host's first process: in its network namespace, a PID and a mount namespace of its
+    own (its own /proc) whose init is sshd in the foreground. What runs there (a Ray node) sees only
+    the host's processes (``ray stop`` stops only its own), and when the init dies the kernel
+    kills every process of the host at once. ``unshare --kill-child`` ties the init to the
+    ``unshare`` process, whose pid (in the root namespace) goes to ``host-<name>.pid``."""
+    log = open(config.with_suffix(".log"), "ab")  # noqa: SIM115  (the child keeps it)
+    # In the host's own mount namespace, this checkout's .venv/bin over /usr/local/bin: its
+    # `ray` and `tandem` are on every login shell's PATH there (ray up / ray down call `ray`).
+    init = f"mount --bind {CHECKOUT / '.venv' / 'bin'} /usr/local/bin && exec {_sshd()} -D -e -f {config}"
+    proc = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            host.name,
+            "unshare",
+            "--pid",
+            "--fork",
+            "--kill-child",
+            "--mount-proc",
+            "sh",
+            "-c",
+            init,
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=log,
+        start_new_session=True,
+    )
+    log.close()
+    (config.parent / f"host-{host.name}.pid").write_text(str(proc.pid))
+
+
+def host_pid(bed: Testbed, host: Host) -> int:
+    """The root-namespace pid that holds ``host``'s processes (see :func:`_start_sshd`)."""
+    return int((bed.state_dir / f"host-{host.name}.pid").read_text())
+
+
+def _sshd() -> str:
+    return "/usr/sbin/sshd"
+
+
+def _ip(*args: str) -> str:
+    out = subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+    return out.stdout

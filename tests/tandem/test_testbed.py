@@ -1,0 +1,231 @@
+"""The test bed (issue 17, point 1): hosts in network namespaces on a private bridge, each with
+its own address and an sshd on it; idempotent ``up``, complete ``down`` (after a crash too), and
+a clear error where the machine does not allow it. Skipped, with the reason, where it cannot
+run (not root, no sshd). The bed's names (``tdm-*``) are global: a bed left running is replaced."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tandem import testbed
+from tandem.testbed import Testbed, TestbedUnavailable
+
+pytestmark = pytest.mark.e2e  # it starts sshd processes
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    try:
+        testbed.check_possible()
+    except TestbedUnavailable as exc:
+        pytest.skip(str(exc))
+    yield tmp_path / "bed"
+    testbed.down(tmp_path / "bed")
+
+
+def live(pid: int) -> bool:
+    """The process exists and is not a zombie (this sandbox's PID 1 does not reap killed
+    daemons)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def host_pids(state_dir: Path) -> list[int]:
+    """The root-namespace pids that hold each host's processes."""
+    return sorted(int(p.read_text()) for p in state_dir.glob("host-*.pid"))
+
+
+def test_up_makes_hosts_that_reach_each_other_and_nothing_else(state_dir: Path) -> None:
+    bed = testbed.up(3, ["a", "b"], state_dir=state_dir)
+    assert [(h.name, h.address, h.domain) for h in bed.hosts] == [
+        ("tdm-h0", "10.213.0.1", "a"),
+        ("tdm-h1", "10.213.0.2", "b"),
+        ("tdm-h2", "10.213.0.3", "a"),
+    ]
+    for host in bed.hosts:
+        # Its own address on eth0, and one route: the bed's subnet (no default route out).
+        assert f"inet {host.address}/24" in bed.ssh(host, "ip -4 -o addr show eth0")
+        routes = bed.ssh(host, "ip route").strip().splitlines()
+        assert len(routes) == 1 and routes[0].startswith("10.213.0.0/24 dev eth0")
+    # Host 0 reaches host 2's sshd over the bridge (a real link between namespaces).
+    probe = "import socket; print(socket.create_connection(('10.213.0.3', 22), 2).recv(4))"
+    out = subprocess.run(
+        ["ip", "netns", "exec", "tdm-h0", "python3", "-c", probe],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "b'SSH-'"
+    # Each host has its own processes: sshd is its init, the command's shell is in there.
+    pids = bed.ssh(bed.hosts[0], "ls /proc | grep -E '^[0-9]+$'").split()
+    assert "1" in pids and len(pids) < 10
+    assert "sshd" in bed.ssh(bed.hosts[0], "cat /proc/1/cmdline | tr '\\0' ' '")
+    # sshd listens on the host's address only.
+    listening = bed.ssh(bed.hosts[1], "cat /proc/net/tcp")
+    assert "0200D50A:0016" in listening  # 10.213.0.2:22, little-endian hex
+    assert "00000000:0016" not in listening
+
+
+def test_up_again_keeps_the_running_bed(state_dir: Path) -> None:
+    bed = testbed.up(2, state_dir=state_dir)
+    pids = host_pids(state_dir)
+    again = testbed.up(2, state_dir=state_dir)
+    assert again == bed
+    assert host_pids(state_dir) == pids and all(live(pid) for pid in pids)
+    # Another shape replaces it.
+    bigger = testbed.up(3, state_dir=state_dir)
+    assert len(bigger.hosts) == 3 and testbed.namespaces() != [] and len(testbed.namespaces()) == 3
+
+
+def test_down_leaves_nothing_behind(state_dir: Path) -> None:
+    testbed.up(2, state_dir=state_dir)
+    pids = host_pids(state_dir)
+    assert len(pids) == 2 and all(live(pid) for pid in pids)
+    testbed.down(state_dir)
+    assert testbed.namespaces() == []
+    assert testbed.links() == []
+    assert not state_dir.exists()
+    assert not any(live(pid) for pid in pids)
+    testbed.down(state_dir)  # nothing left to remove: not an error
+
+
+def test_down_cleans_up_after_a_crashed_run(state_dir: Path) -> None:
+    """What a run killed half-way through ``up`` leaves: a namespace, the bridge, no state."""
+    subprocess.run(["ip", "netns", "add", "tdm-h7"], check=True)
+    subprocess.run(["ip", "link", "add", testbed.BRIDGE, "type", "bridge"], check=True)
+    testbed.down(state_dir)
+    assert testbed.namespaces() == [] and testbed.links() == []
+
+
+def test_not_root_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(testbed.os, "geteuid", lambda: 1000)
+    with pytest.raises(TestbedUnavailable, match="needs root"):
+        testbed.check_possible()
+
+
+def test_bad_shapes_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least one host"):
+        testbed.up(0, state_dir=tmp_path)
+    with pytest.raises(ValueError, match="no room for 7 hosts"):
+        testbed.up(7, subnet="10.213.0.0/29", state_dir=tmp_path)
+
+
+def test_ssh_args_use_the_beds_key(tmp_path: Path) -> None:
+    bed = Testbed(
+        [testbed.Host("tdm-h0", "10.213.0.1", "a")], "10.213.0.254", tmp_path / "k", tmp_path
+    )
+    args = bed.ssh_args(bed.hosts[0])
+    assert args[:3] == ["ssh", "-i", str(tmp_path / "k")] and args[-1] == "root@10.213.0.1"
+
+
+def test_the_cli_starts_and_removes_the_bed(
+    state_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from tandem.cli import main
+
+    assert main(["testbed", "up", "--nodes", "2", "--domains", "x,y"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert [(h["name"], h["address"], h["domain"]) for h in doc["hosts"]] == [
+        ("tdm-h0", "10.213.0.1", "x"),
+        ("tdm-h1", "10.213.0.2", "y"),
+    ]
+    assert main(["testbed", "down"]) == 0
+    assert testbed.namespaces() == [] and testbed.links() == []
+
+
+def reaches(src: str, address: str, timeout_s: float = 1.0) -> bool:
+    """Whether a TCP connection from namespace ``src`` to ``address``:22 gets sshd's banner."""
+    probe = (
+        "import socket, sys\n"
+        "try:\n"
+        f"    c = socket.create_connection(({address!r}, 22), {timeout_s})\n"
+        "    sys.exit(0 if c.recv(4) == b'SSH-' else 1)\n"
+        "except OSError:\n"
+        "    sys.exit(1)\n"
+    )
+    return subprocess.run(["ip", "netns", "exec", src, "python3", "-c", probe]).returncode == 0
+
+
+def test_a_partitioned_host_is_cut_both_ways_until_healed(state_dir: Path) -> None:
+    bed = testbed.up(3, state_dir=state_dir)
+    h0, h1, h2 = bed.hosts
+    assert reaches(h0.name, h1.address) and reaches(h1.name, h2.address)
+    testbed.partition(h1)
+    assert not reaches(h0.name, h1.address)  # in
+    assert not reaches(h1.name, h2.address)  # out
+    assert reaches(h0.name, h2.address)  # the others still talk
+    assert all(live(pid) for pid in host_pids(state_dir))  # nothing died
+    testbed.heal(h1)
+    assert reaches(h0.name, h1.address) and reaches(h1.name, h2.address)
+
+
+def test_a_killed_host_loses_every_process_until_revived(state_dir: Path) -> None:
+    bed = testbed.up(2, state_dir=state_dir)
+    h0, h1 = bed.hosts
+    sleeper = subprocess.Popen(["ip", "netns", "exec", h1.name, "sleep", "60"])
+    try:
+        killed = testbed.kill_host(h1)
+        assert sleeper.wait(timeout=5) == -9 and sleeper.pid in killed
+        assert not reaches(h0.name, h1.address)  # its sshd died with the rest
+    finally:
+        sleeper.kill()
+    testbed.revive_host(bed, h1)
+    assert reaches(h0.name, h1.address)
+
+
+CLUSTER = Path(__file__).resolve().parents[2] / "deploy" / "cluster-testbed.yaml"
+NODES_PROBE = (
+    "import json, ray\n"
+    "ray.init(address='10.213.0.1:6379', logging_level='ERROR', log_to_driver=False)\n"
+    "print(json.dumps({n['NodeManagerAddress']: n['Labels'].get('tandem/failure-domain')\n"
+    "                  for n in ray.nodes() if n['Alive']}))\n"
+)
+
+
+def test_ray_up_starts_a_cluster_labelled_by_host_on_the_bed(state_dir: Path) -> None:
+    """`ray up deploy/cluster-testbed.yaml` on a 3-host bed: a head and two workers, each Ray
+    node on its host's address with its host's failure domain (Ray's own node table); `ray
+    down` then `tandem testbed down` leave nothing."""
+    import json
+    import sys
+    import time
+
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    testbed.up(3, ["a", "b", "c"])  # the default state dir: the cluster file reads it
+    try:
+        subprocess.run(
+            [ray_cli, "up", "-y", "--no-config-cache", str(CLUSTER)],
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
+        env = {"PATH": "/usr/bin:/bin", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+        nodes: dict[str, str] = {}
+        deadline = time.monotonic() + 120
+        while len(nodes) < 3 and time.monotonic() < deadline:
+            time.sleep(2)
+            out = subprocess.run(
+                ["ip", "netns", "exec", "tdm-h0", sys.executable, "-c", NODES_PROBE],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=120,
+            )
+            if out.returncode == 0:
+                nodes = json.loads(out.stdout.strip().splitlines()[-1])
+        assert nodes == {"10.213.0.1": "a", "10.213.0.2": "b", "10.213.0.3": "c"}
+        subprocess.run(
+            [ray_cli, "down", "-y", str(CLUSTER)], check=True, capture_output=True, timeout=120
+        )
+    finally:
+        testbed.down()
+    assert testbed.namespaces() == [] and testbed.links() == []
