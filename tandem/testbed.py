@@ -39,6 +39,8 @@ READY_TIMEOUT_S = 20.0
 class TestbedUnavailable(RuntimeError):
     """This machine cannot run the test bed (not root, no iproute2, no sshd): the reason."""
 
+    __test__ = False  # not a pytest test class, whatever its name
+
 
 @dataclass(frozen=True)
 class Host:
@@ -49,6 +51,8 @@ class Host:
 
 @dataclass(frozen=True)
 class Testbed:
+    __test__ = False  # not a pytest test class, whatever its name
+
     hosts: list[Host]
     bridge_address: str  # the root namespace's address on the bed
     key: Path  # the bed's private key (user root)
