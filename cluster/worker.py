@@ -161,6 +161,13 @@ class EngineWorker:
     def kv_address(self) -> str | None:
         return None
 
+    @staticmethod
+    def host_address() -> str:
+        """The address this worker's KV sockets bind to: its Ray node's (127.0.0.1 in the local
+        loopback mode, the host's own on a test bed or a real cluster), never all
+        interfaces."""
+        return str(ray.util.get_node_ip_address())
+
     async def ready(self) -> WorkerInfo:
         """Called after start, after a Ray restart, and by the router's health check when it
         readmits this worker (having dropped its index of us): starts the reporter and asks

@@ -44,7 +44,9 @@ class DecodeWorker(EngineWorker):
         """``transport``: what this worker pulls KV over (the topology's, resolved)."""
         super().__init__(*args, **kwargs)
         self.transport_kind = Transport(transport)
-        self.transport = make_transport(self.transport_kind, puller_id=self.name)
+        self.transport = make_transport(
+            self.transport_kind, puller_id=self.name, host=self.host_address()
+        )
         self._handoffs: dict[str, asyncio.Future[TokenBatch]] = {}
         # The latest pulls (bounded: a long-running worker keeps only these).
         self.transfers: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS_KEPT)

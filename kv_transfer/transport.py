@@ -39,14 +39,17 @@ class KVTransport(Protocol):
     def close(self) -> None: ...
 
 
-def make_transport(kind: Transport | str, puller_id: str | None = None) -> KVTransport:
+def make_transport(
+    kind: Transport | str, puller_id: str | None = None, host: str = "127.0.0.1"
+) -> KVTransport:
     """A client for ``kind`` (GRPC or TORCH; AUTO is resolved by whoever knows the workers'
     devices, before this). ``puller_id`` names this puller to senders
     (what ``KVExportRegistry.peer_dead`` matches); pass the worker's name. The default is unique
-    per call, so peer-death releases only work with an explicit one."""
+    per call, so peer-death releases only work with an explicit one. ``host``: this side's
+    address, where torch mode binds its end of each pair group."""
     pid = puller_id if puller_id is not None else f"puller-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     if kind == Transport.GRPC:
         return GrpcKVClient(pid)
     if kind == Transport.TORCH:
-        return TorchKVClient(pid)
+        return TorchKVClient(pid, host=host)
     raise ValueError(f"transport kind {kind!r} is not 'grpc' or 'torch'")

@@ -41,7 +41,7 @@ class PrefillWorker(EngineWorker):
         self.lease_timeout_s = lease_timeout_s
         self.registry = KVExportRegistry()
         self.registry.fault_hook = self._transfer_fault
-        self.server = KVTransferServer(self.registry, host="127.0.0.1", port=0)
+        self.server = KVTransferServer(self.registry, host=self.host_address(), port=0)
         self.server.start()
         self._expiry: asyncio.Task[None] | None = None
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -93,19 +95,32 @@ def workers_have_cuda(topology: Topology) -> bool:
     return topology.gpu_workers() and ray.cluster_resources().get("GPU", 0) > 0
 
 
-def sized_workers(topology: Topology, model_dir: Path, cluster_memory: float) -> list[WorkerSpec]:
+def sized_workers(
+    topology: Topology,
+    model_dir: Path,
+    cluster_memory: float,
+    domain_memory: Mapping[str, float] | None = None,
+) -> list[WorkerSpec]:
     """``topology``'s workers, those whose pool leaves its KV cache out sized from their
-    memory (tandem/sizing.py): the pool's ``memory_bytes``, or an equal share of
-    ``cluster_memory`` (Ray's ``memory`` resource) among all the workers."""
+    memory (tandem/sizing.py): the pool's ``memory_bytes``, or an equal share of the memory
+    where the worker runs: on a labelled cluster (``domain_memory``: Ray's ``memory`` resource
+    of each domain's nodes) its domain's among the domain's workers, else ``cluster_memory``
+    among all the workers. (An equal share of the whole cluster would not fit a node that
+    holds more than its share of the workers: Ray would never place them.)"""
     specs = topology.workers()
     if not any(sizes_itself(s.engine) for s in specs):
         return specs
     model, weights = read_model_config(model_dir, topology.model.dtype)
-    share = int(cluster_memory // len(specs))
+    in_domain = Counter(s.domain for s in specs)
     out = []
     for s in specs:
         if sizes_itself(s.engine):
-            memory = s.memory_bytes or share
+            if s.memory_bytes:
+                memory = s.memory_bytes
+            elif domain_memory is not None:
+                memory = int(domain_memory.get(s.domain, 0.0) // in_domain[s.domain])
+            else:
+                memory = int(cluster_memory // len(specs))
             engine = sized_engine(s.engine, memory, model, weights, s.kv_memory_fraction)
             s = dataclasses.replace(s, memory_bytes=memory, engine=engine)
         out.append(s)
@@ -117,7 +132,13 @@ async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cl
     topology and model: else ClusterMismatch), and wait until all are ready."""
     model_dir = model_dir or model_dir_of(topology)
     key = cluster_key(topology, model_dir)
-    specs = sized_workers(topology, model_dir, ray.cluster_resources().get("memory", 0.0))
+    by_label = nodes_carry_label(topology.label_key)
+    specs = sized_workers(
+        topology,
+        model_dir,
+        ray.cluster_resources().get("memory", 0.0),
+        memory_by_domain(topology.label_key) if by_label else None,
+    )
     transport = topology.resolved_transport(workers_have_cuda(topology))
     router = RouterClient(
         ray.remote(RouterActor)
@@ -147,7 +168,6 @@ async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cl
             f"runs in Ray namespace {NAMESPACE!r}: stop it first (tandem serve's Ctrl-C, or "
             "ray.kill its actors)"
         )
-    by_label = nodes_carry_label(topology.label_key)
     workers = {
         s.name: WorkerClient(_start_worker(s, topology, model_dir, transport, by_label))
         for s in specs
@@ -172,6 +192,16 @@ def nodes_carry_label(label_key: str) -> bool:
     """Whether the cluster's nodes are labelled with failure domains (a real cluster started
     with ``ray start --labels``); if none is, the topology's domains are logical (one machine)."""
     return any(label_key in (node.get("Labels") or {}) for node in ray.nodes() if node["Alive"])
+
+
+def memory_by_domain(label_key: str) -> dict[str, float]:
+    """Ray's ``memory`` resource of the live nodes, summed per value of ``label_key``."""
+    out: dict[str, float] = {}
+    for node in ray.nodes():
+        domain = (node.get("Labels") or {}).get(label_key)
+        if node["Alive"] and domain is not None:
+            out[domain] = out.get(domain, 0.0) + node["Resources"].get("memory", 0.0)
+    return out
 
 
 def _start_worker(

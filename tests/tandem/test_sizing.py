@@ -55,6 +55,24 @@ def test_left_out_kv_is_a_fraction_of_the_memory_share_and_slots_follow(test_lla
     assert decode1.engine == decode0.engine
 
 
+def test_on_a_labelled_cluster_each_worker_shares_its_domains_memory(test_llama: Path) -> None:
+    """Two workers on domain b's node and one on a's: b's memory is halved, a's is whole (an
+    equal share of the whole cluster would ask b's node for more than it has)."""
+    topo = topology(
+        test_llama,
+        """
+  prefill: {replicas: 1, domains: [a]}
+  decode: {replicas: 2, domains: [b]}
+  """,
+    )
+    prefill, decode0, decode1 = sized_workers(
+        topo, test_llama, cluster_memory=5 * GiB, domain_memory={"a": GiB, "b": 4 * GiB}
+    )
+    assert (prefill.domain, decode0.domain, decode1.domain) == ("a", "b", "b")
+    assert prefill.memory_bytes == GiB
+    assert decode0.memory_bytes == decode1.memory_bytes == 2 * GiB
+
+
 def test_a_pool_that_sets_its_kv_is_left_alone_and_reserves_nothing(test_llama: Path) -> None:
     topo = topology(
         test_llama,
