@@ -3,7 +3,7 @@
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint pytest bench clean mutation
+.PHONY: setup run test lint pytest test-bed bench clean mutation
 
 $(STAMP): pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
@@ -23,6 +23,11 @@ pytest: $(STAMP)
 	$(VENV)/bin/python -m pytest -q
 
 test: lint pytest
+
+# The multi-host test bed's whole set (CI runs the short one): root, ~5 minutes.
+test-bed: $(STAMP)
+	TANDEM_BED_FULL=1 $(VENV)/bin/python -m pytest -q tests/e2e/test_bed_cluster.py \
+		tests/tandem/test_testbed.py tests/kv_transfer/test_kv_transfer.py -k "bed or testbed"
 
 bench: $(STAMP)
 	$(VENV)/bin/python -m bench.engine_bench

@@ -55,6 +55,9 @@ from router.prefix_index import PrefixIndex
 
 logger = logging.getLogger("tandem.router")
 HEALTH_CHECK_INTERVAL_S = 0.5
+# How often silences are checked: a silent worker is FAILED at most this long after its
+# heartbeat timeout (a quarter of the timeout, if that is shorter).
+HEARTBEAT_CHECK_S = 0.25
 
 
 class RouterActor:
@@ -78,6 +81,10 @@ class RouterActor:
         self.incarnations: dict[str, str] = {}
         self.last_seen: dict[str, float] = {}
         self.log: deque[dict[str, Any]] = deque(maxlen=1000)
+        # Each worker's health transitions, in order: failed (why), checked (its health check
+        # answered: it may report again), up (its report was taken). What detection and
+        # recovery times are measured from.
+        self.health_log: deque[dict[str, Any]] = deque(maxlen=1000)
         self._checking: set[str] = set()
         self._monitor: asyncio.Task[None] | None = None
         # Health changes, for watch_health: the version counts them, the event fires on each.
@@ -133,6 +140,8 @@ class RouterActor:
         state.max_model_len = info.max_model_len
         state.admission_output_tokens = info.admission_output_tokens
         self.last_seen[name] = time.time()
+        if not state.healthy:
+            self._note(name, "up")
         self._set_healthy(state, True)
         state.queue_depth = load.queue_depth
         state.num_running = load.num_running
@@ -161,6 +170,8 @@ class RouterActor:
             return
         if state.healthy:
             logger.warning("worker %s FAILED: %s", name, why)
+        if not state.failed:
+            self._note(name, "failed", why)
         state.failed = True
         self._set_healthy(state, False)
         self.index.drop_worker(name)
@@ -168,6 +179,13 @@ class RouterActor:
         if name not in self._checking:
             self._checking.add(name)
             asyncio.get_running_loop().create_task(self._health_check(name))
+
+    def _note(self, name: str, event: str, why: str = "") -> None:
+        self.health_log.append({"worker": name, "event": event, "why": why, "at": time.time()})
+
+    async def health_events(self) -> list[dict[str, Any]]:
+        """The workers' health transitions (``health_log``), oldest first."""
+        return list(self.health_log)
 
     def _set_healthy(self, state: WorkerState, healthy: bool) -> None:
         if state.healthy != healthy:
@@ -200,6 +218,7 @@ class RouterActor:
                     self.index.drop_worker(name)
                     self.last_seen[name] = time.time()
                     self.states[name].failed = False
+                    self._note(name, "checked")
                     self._health_news()
                     return
                 except Exception:
@@ -223,7 +242,7 @@ class RouterActor:
             since = self._stalled_since
             if since is not None and now - since > self.config.admission.unavailable_wait_s:
                 self._refuse_unservable(now - since)
-            await asyncio.sleep(self.heartbeat_timeout_s / 4)
+            await asyncio.sleep(min(self.heartbeat_timeout_s / 4, HEARTBEAT_CHECK_S))
 
     # -- admission and decisions ---------------------------------------------------------------
 

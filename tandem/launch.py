@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import time
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -68,6 +69,11 @@ class Cluster:
 
 class ClusterMismatch(RuntimeError):
     """The cluster running under Tandem's names was started from another topology or model."""
+
+
+class DomainMissing(RuntimeError):
+    """A labelled Ray cluster has no live node in a failure domain the topology places
+    workers in (within ``READY_TIMEOUT_S``: nodes of a cluster just launched join late)."""
 
 
 def cluster_key(topology: Topology, model_dir: Path) -> str:
@@ -137,7 +143,7 @@ async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cl
         topology,
         model_dir,
         ray.cluster_resources().get("memory", 0.0),
-        memory_by_domain(topology.label_key) if by_label else None,
+        await domain_memory(topology) if by_label else None,
     )
     transport = topology.resolved_transport(workers_have_cuda(topology))
     router = RouterClient(
@@ -192,6 +198,26 @@ def nodes_carry_label(label_key: str) -> bool:
     """Whether the cluster's nodes are labelled with failure domains (a real cluster started
     with ``ray start --labels``); if none is, the topology's domains are logical (one machine)."""
     return any(label_key in (node.get("Labels") or {}) for node in ray.nodes() if node["Alive"])
+
+
+async def domain_memory(topology: Topology, timeout_s: float = READY_TIMEOUT_S) -> dict[str, float]:
+    """:func:`memory_by_domain` once every domain the topology's workers need has a live node
+    (a cluster ``ray up`` just launched is still adding its workers); DomainMissing when one
+    has none after ``timeout_s``."""
+    needed = {s.domain for s in topology.workers()}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        memory = memory_by_domain(topology.label_key)
+        missing = sorted(needed - memory.keys())
+        if not missing:
+            return memory
+        if time.monotonic() > deadline:
+            raise DomainMissing(
+                f"no live Ray node is labelled {topology.label_key}={missing[0]} (the topology "
+                f"places workers there) after {timeout_s:.0f} s; labelled nodes: "
+                f"{sorted(memory)}"
+            )
+        await asyncio.sleep(1.0)
 
 
 def memory_by_domain(label_key: str) -> dict[str, float]:

@@ -34,6 +34,7 @@ SSH_PORT = 22
 # deploy/cluster-testbed.yaml's cluster_name, in Ray's local-provider state file.
 RAY_LOCAL_STATE = "/tmp/ray/cluster-tandem-testbed.state"
 READY_TIMEOUT_S = 20.0
+CLONE_NEWNET = 0x40000000  # setns(2)'s namespace type (os.CLONE_NEWNET from Python 3.12)
 
 
 class TestbedUnavailable(RuntimeError):
@@ -208,6 +209,32 @@ def revive_host(bed: Testbed, host: Host) -> None:
     """Start ``host``'s sshd again after :func:`kill_host` (a rebooted machine)."""
     _start_sshd(host, bed.state_dir / f"sshd-{host.name}.conf")
     _wait_ready(Testbed([host], bed.bridge_address, bed.key, bed.state_dir))
+
+
+def restart_ray_node(bed: Testbed, host: Host, cluster_file: Path) -> None:
+    """Start ``host``'s Ray node again (after :func:`revive_host`, or to replace a node Ray
+    declared dead) with the start commands of the ``ray up`` file that launched the bed's
+    cluster: the head's if ``host`` is its ``head_ip``, else the workers'."""
+    import yaml
+
+    config = yaml.safe_load(cluster_file.read_text())
+    head = config["provider"]["head_ip"]
+    key = "head_start_ray_commands" if host.address == head else "worker_start_ray_commands"
+    commands = " && ".join(f"( {c} )" for c in config[key])
+    bed.ssh(host, f"export RAY_HEAD_IP={head} && {commands}", timeout_s=120.0)
+
+
+def enter(host: Host) -> None:
+    """Move this process into ``host``'s network namespace: its sockets from now on have the
+    host's addresses and links. For a child process, first thing (``setns`` moves the calling
+    thread; threads started later follow it). Needs root."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{host.name}") as ns:
+        if libc.setns(ns.fileno(), CLONE_NEWNET) != 0:
+            errno = ctypes.get_errno()
+            raise OSError(errno, f"setns into {host.name}: {os.strerror(errno)}")
 
 
 def partition(host: Host) -> None:

@@ -250,7 +250,9 @@ def ray_session(
 # Tests that start real services carry the ``e2e`` marker (``-m "not e2e"`` is the quick unit
 # run): everything under tests/e2e/, and any test using a fixture that starts Ray or a gRPC
 # server; tests that start one inline are marked where they are written.
-_SERVICE_FIXTURES = frozenset({"ray_session", "server"})
+_SERVICE_FIXTURES = frozenset({"ray_session", "server", "bed"})
+# The test bed's long fault tests run on demand (``make test-bed``), not in CI.
+_BED_FULL = pytest.mark.skip(reason="a long test-bed test: TANDEM_BED_FULL=1 (make test-bed)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -258,6 +260,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         in_e2e = "e2e" in item.path.relative_to(Path(__file__).parent).parts[:-1]
         if in_e2e or _SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
+        if "bed_full" in item.keywords and not os.environ.get("TANDEM_BED_FULL"):
+            item.add_marker(_BED_FULL)
 
 
 @pytest.fixture(autouse=True)
@@ -285,3 +289,18 @@ def _unit_tests_open_no_socket(
         (ray, "init"),
     ]:
         monkeypatch.setattr(owner, name, refuse)
+
+
+@pytest.fixture(scope="module")
+def bed() -> Iterator[Any]:
+    """The 3-host test bed of deploy/cluster-testbed.yaml (domains a, b, c; tandem/testbed.py),
+    in its default state dir, for one module; removed after it. Skips, saying why, where the
+    machine cannot run it."""
+    from tandem import testbed
+
+    try:
+        testbed.check_possible()
+    except testbed.TestbedUnavailable as exc:
+        pytest.skip(str(exc))
+    yield testbed.up(3, ["a", "b", "c"])
+    testbed.down()

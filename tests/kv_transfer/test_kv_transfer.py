@@ -6,6 +6,7 @@ that went through float anywhere would change them."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing as mp
 import os
@@ -801,12 +802,28 @@ def test_receiver_gets_layer_zero_before_the_last_layer_is_ready(
 CROSS_BLOCKS = (32 << 20) // (LAYERS * 2 * BLOCK * HEADS * HEAD_DIM * 2) + 2
 
 
-def _serve_in_child(requests: Any, replies: Any) -> None:
-    """Child process: publish two exports of a seeded cache, serve them, report releases."""
+def _serve_in_child(requests: Any, replies: Any, host: Any = None) -> None:
+    """Child process: publish a seeded cache once per transport (and, on a test bed's ``host``,
+    one small export per abort point), serve them, report their releases."""
+    address = "127.0.0.1"
+    if host is not None:
+        from tandem import testbed
+
+        testbed.enter(host)  # from here on this process is on the bed's host
+        address = host.address
     registry = KVExportRegistry()
     cache = random_cache(CROSS_BLOCKS, torch.bfloat16, seed=11)
     pubs = [publish(registry, cache, list(range(CROSS_BLOCKS))[::-1], kind) for kind in TRANSPORTS]
-    srv = KVTransferServer(registry)
+    for kind in TRANSPORTS if host is not None else []:
+        small = random_cache(8, torch.bfloat16, seed=3)
+        pubs += [publish(registry, small, [7, 0, 3], f"{kind}-abort-{i}") for i in ABORT_POINTS]
+
+    def abort_before(key: TransferKey, index: int) -> None:
+        if "-abort-" in key.request_id and index == int(key.request_id.rpartition("-")[2]):
+            registry.release(key, ReleaseReason.ABORTED)
+
+    registry.fault_hook = abort_before
+    srv = KVTransferServer(registry, host=address)
     srv.start()
     replies.put(srv.address)
     requests.get()  # the parent is done
@@ -814,32 +831,80 @@ def _serve_in_child(requests: Any, replies: Any) -> None:
     srv.stop(0)
 
 
-@pytest.mark.e2e  # starts its own gRPC server
-def test_cross_process_transfers_move_exact_bytes() -> None:
+ABORT_POINTS = range(LAYERS + 2)  # before the header, each layer, the trailer
+
+
+@contextlib.contextmanager
+def server_in_child(host: Any = None) -> Iterator[tuple[str, Callable[[], Any]]]:
+    """``_serve_in_child`` started; yields its address and a function that ends it and returns
+    its releases."""
     ctx = mp.get_context("spawn")
     requests, replies = ctx.Queue(), ctx.Queue()
-    child = ctx.Process(target=_serve_in_child, args=(requests, replies), daemon=True)
+    child = ctx.Process(target=_serve_in_child, args=(requests, replies, host), daemon=True)
     child.start()
-    try:
-        address = replies.get(timeout=60)
-        cache = random_cache(CROSS_BLOCKS, torch.bfloat16, seed=11)
-        layout = KVLayout.from_cache(cache)
-        blocks = list(range(CROSS_BLOCKS))[::-1]
-        for kind in TRANSPORTS:
-            transport = make_transport(kind, puller_id=f"decode-{kind}")
-            dst = torch.zeros_like(cache)
-            key = TransferKey(kind, f"{kind}@1")
-            transport.pull(address, key, layout, Recorder(dst, blocks), soon(60))
-            assert same_bytes(dst, cache)
-            assert transport.release(address, key, ReleaseReason.ACKED)
-            transport.close()
+
+    def finish() -> Any:
         requests.put("done")
-        releases = replies.get(timeout=60)
-        assert releases == {f"{kind}#{kind}@1": ["acked"] for kind in TRANSPORTS}
+        return replies.get(timeout=60)
+
+    try:
+        yield replies.get(timeout=60), finish
     finally:
         child.join(30)
         if child.is_alive():
             child.kill()
+
+
+def pull_the_big_one(kind: str, transport: KVTransport, address: str) -> None:
+    cache = random_cache(CROSS_BLOCKS, torch.bfloat16, seed=11)
+    blocks = list(range(CROSS_BLOCKS))[::-1]
+    dst = torch.zeros_like(cache)
+    key = TransferKey(kind, f"{kind}@1")
+    transport.pull(address, key, KVLayout.from_cache(cache), Recorder(dst, blocks), soon(60))
+    assert same_bytes(dst, cache)
+    assert transport.release(address, key, ReleaseReason.ACKED)
+
+
+@pytest.mark.e2e  # starts its own gRPC server
+def test_cross_process_transfers_move_exact_bytes() -> None:
+    with server_in_child() as (address, finish):
+        for kind in TRANSPORTS:
+            transport = make_transport(kind, puller_id=f"decode-{kind}")
+            pull_the_big_one(kind, transport, address)
+            transport.close()
+        assert finish() == {f"{kind}#{kind}@1": ["acked"] for kind in TRANSPORTS}
+
+
+@pytest.mark.e2e  # a test bed host
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_across_bed_hosts_bytes_are_exact_and_aborts_release_once(bed: Any, kind: str) -> None:
+    """The exporter on a test bed host (tandem/testbed.py), the puller in this machine's own
+    namespace: every byte crosses the bed's link (veth, bridge, veth); the server binds the
+    host's address, the torch pair group's puller end the bridge's. Exact bytes, and an abort
+    before each stream message fails the pull with KVTransferAborted and releases once."""
+    host = bed.hosts[1]
+    with server_in_child(host) as (address, finish):
+        assert address.startswith(f"{host.address}:")
+        transport = make_transport(kind, puller_id=f"decode-{kind}", host=bed.bridge_address)
+        try:
+            pull_the_big_one(kind, transport, address)
+            small = random_cache(8, torch.bfloat16, seed=3)
+            for index in ABORT_POINTS:
+                key = TransferKey(f"{kind}-abort-{index}", f"{kind}-abort-{index}@1")
+                sink = Recorder()
+                with pytest.raises(KVTransferAborted):
+                    transport.pull(address, key, KVLayout.from_cache(small), sink, soon())
+                got = min(max(index - 1, 0), LAYERS)
+                assert [c.layer for c in sink.chunks] == list(range(got))
+                for c in sink.chunks:
+                    assert same_bytes(c.payload, extract_layer(small, c.layer, [7, 0, 3]))
+                assert not transport.release(address, key, ReleaseReason.ABORTED)
+        finally:
+            transport.close()
+        releases = finish()
+    assert releases[f"{kind}#{kind}@1"] == ["acked"]
+    for index in ABORT_POINTS:
+        assert releases[f"{kind}-abort-{index}#{kind}-abort-{index}@1"] == ["aborted"]
 
 
 # --- generated code -----------------------------------------------------------------------

@@ -523,3 +523,34 @@ def test_a_worker_restarted_under_a_known_name_is_failed_at_once_with_its_credit
         assert states["prefill-0"].cached_blocks == 0
 
     asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_the_health_log_records_each_transition_once() -> None:
+    """A worker that falls silent is logged FAILED once, with why; its reports are refused
+    while its health check has not answered (nothing logged: no "up" without a "checked");
+    another report of its death adds nothing."""
+
+    async def body() -> None:
+        config = RouterConfig(local_prefill_max_tokens=0)
+        actor = RouterActor(WORKERS, config, heartbeat_timeout_s=0.2, namespace="test")
+        for name, role, _ in WORKERS:
+            await actor.report(info(name, role), load(name), [], resync=True)
+        assert [(e["worker"], e["event"]) for e in await actor.health_events()] == [
+            ("prefill-0", "up"),
+            ("decode-0", "up"),
+        ]
+        prefill = info("prefill-0", Role.PREFILL)
+        until = time.time() + 2.0
+        while not (await actor.worker_states())[1].failed:  # decode-0 is silent
+            assert time.time() < until
+            await actor.report(prefill, load("prefill-0"), [], resync=False)
+            await asyncio.sleep(0.02)
+        decode = info("decode-0", Role.DECODE)
+        assert await actor.report(decode, load("decode-0"), [], resync=True) is False
+        await actor.worker_failed("decode-0")
+        events = (await actor.health_events())[2:]
+        assert [(e["worker"], e["event"]) for e in events] == [("decode-0", "failed")]
+        assert events[0]["why"].startswith("silent for ")
+        assert float(events[0]["why"].split()[2]) >= 0.2
+
+    asyncio.run(asyncio.wait_for(body(), 10))

@@ -114,3 +114,34 @@ def test_memory_that_holds_no_kv_block_is_a_clear_error(test_llama: Path) -> Non
     model, weights = read_model_config(test_llama)
     with pytest.raises(ValueError, match="leave no KV cache once the weights"):
         sized_engine(EngineConfig(), weights + 100, model, weights, 0.5)
+
+
+def test_sizing_waits_for_every_domains_node_then_names_the_missing_one(
+    test_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cluster ``ray up`` just launched adds its labelled nodes one by one: the memory per
+    domain is read once every domain the workers need has one; a domain that never gets a node
+    is a DomainMissing naming it."""
+    import asyncio
+
+    from tandem import launch
+
+    topo = topology(
+        test_llama,
+        "  prefill: {replicas: 1, domains: [a]}\n  decode: {replicas: 1, domains: [b]}\n",
+    )
+    joined = [{"a": 1.0}, {"a": 1.0}, {"a": 1.0, "b": 2.0}]
+    calls: list[str] = []
+
+    def nodes(label_key: str) -> dict[str, float]:
+        calls.append(label_key)
+        return joined[min(len(calls), len(joined)) - 1]
+
+    monkeypatch.setattr(launch, "memory_by_domain", nodes)
+    assert asyncio.run(launch.domain_memory(topo)) == {"a": 1.0, "b": 2.0}
+    assert calls == ["tandem/failure-domain"] * 3
+    joined[:] = [{"a": 1.0}]
+    with pytest.raises(
+        launch.DomainMissing, match="tandem/failure-domain=b .* labelled nodes: \\['a'\\]"
+    ):
+        asyncio.run(launch.domain_memory(topo, timeout_s=0.0))
