@@ -20,9 +20,11 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from tandem.demo import tandem_home
 
@@ -235,6 +237,68 @@ def enter(host: Host) -> None:
         if libc.setns(ns.fileno(), CLONE_NEWNET) != 0:
             errno = ctypes.get_errno()
             raise OSError(errno, f"setns into {host.name}: {os.strerror(errno)}")
+
+
+# -- Tandem on the bed (deploy/cluster-testbed.yaml launched: the head is host 0) ----------------
+
+RAY_PORT = 6379  # the head's GCS port in deploy/cluster-testbed.yaml
+SERVE_PORT = 8000
+
+
+def url(bed: Testbed) -> str:
+    """Where ``serve_on_head`` answers HTTP (reached from this machine's own namespace)."""
+    return f"http://{bed.hosts[0].address}:{SERVE_PORT}"
+
+
+def on_head(bed: Testbed, code: str, timeout_s: float = 120.0) -> Any:
+    """Run ``code`` in a Ray driver on the head host (after ``ray.init`` of the bed's cluster;
+    ``json`` and ``ray`` imported); what it prints last, as JSON. RuntimeError with its stderr
+    if it fails."""
+    head = bed.hosts[0]
+    script = (
+        "import json, ray\n"
+        f"ray.init(address='{head.address}:{RAY_PORT}', logging_level='ERROR', "
+        "log_to_driver=False)\n" + code
+    )
+    env = {"PATH": "/usr/bin:/bin", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
+    out = subprocess.run(
+        ["ip", "netns", "exec", head.name, sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=CHECKOUT,
+        timeout=timeout_s,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"driver on {head.name} failed: {out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def serve_on_head(bed: Testbed, topology: Path) -> subprocess.Popen[bytes]:
+    """``tandem serve --address`` on the head host, over SSH, as a user of ``ray up`` runs it
+    (output to ``serve.log`` in the bed's state dir); returns once ``/health`` answers 200."""
+    from tandem.serve import wait_until_ready
+
+    head = bed.hosts[0].address
+    log = open(bed.state_dir / "serve.log", "ab")  # noqa: SIM115  (the child keeps it)
+    command = (
+        f"cd {CHECKOUT} && exec .venv/bin/tandem serve --address {head}:{RAY_PORT} "
+        f"--host {head} --port {SERVE_PORT} --topology {topology}"
+    )
+    proc = subprocess.Popen([*bed.ssh_args(bed.hosts[0]), command], stdout=log, stderr=log)
+    log.close()
+    wait_until_ready(url(bed), timeout_s=300)
+    return proc
+
+
+def stop_serving(bed: Testbed, proc: subprocess.Popen[bytes]) -> None:
+    """Ctrl-C for :func:`serve_on_head`'s ``tandem serve``: it removes its application and
+    its cluster's actors."""
+    bed.ssh(bed.hosts[0], "pkill -INT -f 'tandem serve' || true")
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def partition(host: Host) -> None:

@@ -15,7 +15,6 @@ restarted, every worker up). CI runs the ones not marked ``bed_full``; ``make te
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 import threading
@@ -34,7 +33,6 @@ from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from tandem import testbed
 from tandem.launch import model_dir_of
-from tandem.serve import wait_until_ready
 from tandem.testbed import Testbed
 from tandem.topology import load_topology
 
@@ -62,23 +60,11 @@ def ray_cli() -> str:
     return str(Path(sys.executable).with_name("ray"))
 
 
-def on_head(code: str, timeout_s: float = 120.0) -> Any:
-    """Run ``code`` in a Ray driver on the head host (after ``ray.init`` of the bed's cluster);
-    what it prints last, as JSON."""
-    script = (
-        "import json, ray\n"
-        f"ray.init(address='{HEAD}:6379', logging_level='ERROR', log_to_driver=False)\n" + code
-    )
-    env = {"PATH": "/usr/bin:/bin", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
-    out = subprocess.run(
-        ["ip", "netns", "exec", "tdm-h0", sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout_s,
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def on_head(code: str) -> Any:
+    """``code`` in a Ray driver on the bed's head host (testbed.on_head)."""
+    bed = testbed.load()
+    assert bed is not None, "no test bed is up"
+    return testbed.on_head(bed, code)
 
 
 RAY_VIEW = """
@@ -150,28 +136,6 @@ def health_events() -> list[dict[str, Any]]:
     return on_head(code)  # type: ignore[no-any-return]
 
 
-def serve(bed: Testbed, topology: Path) -> subprocess.Popen[bytes]:
-    """``tandem serve`` on the head host, over SSH, as a user of ``ray up`` runs it."""
-    log = open(bed.state_dir / "serve.log", "ab")  # noqa: SIM115  (the child keeps it)
-    command = (
-        f"cd {REPO} && exec .venv/bin/tandem serve --address {HEAD}:6379 --host {HEAD} "
-        f"--port 8000 --topology {topology}"
-    )
-    proc = subprocess.Popen([*bed.ssh_args(bed.hosts[0]), command], stdout=log, stderr=log)
-    log.close()
-    wait_until_ready(URL, timeout_s=300)
-    return proc
-
-
-def stop_serving(bed: Testbed, proc: subprocess.Popen[bytes]) -> None:
-    """Ctrl-C for ``tandem serve`` on the head: it removes its application and cluster."""
-    bed.ssh(bed.hosts[0], "pkill -INT -f 'tandem serve' || true")
-    try:
-        proc.wait(timeout=90)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-
-
 @dataclass
 class Served:
     """The bed, and the SSH session running ``tandem serve`` on its head."""
@@ -188,9 +152,9 @@ def cluster(bed: Testbed) -> Iterator[Served]:
         capture_output=True,
         timeout=300,
     )
-    served = Served(bed, serve(bed, TOPOLOGY))
+    served = Served(bed, testbed.serve_on_head(bed, TOPOLOGY))
     yield served
-    stop_serving(bed, served.proc)
+    testbed.stop_serving(bed, served.proc)
     subprocess.run([ray_cli(), "down", "-y", str(CLUSTER)], capture_output=True, timeout=120)
 
 
@@ -469,10 +433,10 @@ def test_kv_over_torch_gloo_between_hosts_answers_as_the_engine(
     """The same cluster served again with ``transport: torch`` (gloo pair groups between the
     hosts' addresses): the engine's tokens and logprobs."""
     bed = cluster.bed
-    stop_serving(bed, cluster.proc)
+    testbed.stop_serving(bed, cluster.proc)
     torch_topology = tmp_path / "testbed-torch.yaml"
     torch_topology.write_text(TOPOLOGY.read_text().replace("transport: grpc", "transport: torch"))
-    cluster.proc = serve(bed, torch_topology)
+    cluster.proc = testbed.serve_on_head(bed, torch_topology)
     before = transfers()
     load = Load(client, 6, 16, first=600)
     load.join()
