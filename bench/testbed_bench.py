@@ -261,9 +261,7 @@ class Load:
 
 
 def health_events(bed: testbed.Testbed) -> list[dict[str, Any]]:
-    code = "r = ray.get_actor('tandem-router', namespace='tandem')\n"
-    code += "print(json.dumps(ray.get(r.health_events.remote(), timeout=30)))\n"
-    return testbed.on_head(bed, code)  # type: ignore[no-any-return]
+    return testbed.ask_router(bed, "health_events")  # type: ignore[no-any-return]
 
 
 def wait_all_up(bed: testbed.Testbed, timeout_s: float = 120.0) -> None:

@@ -292,7 +292,11 @@ class Coordinator:
             # The decode worker continues from the token; the prompt's logprobs stay here.
             handoff = replace(first, prompt_logprobs=None)
             await self._await(decode.handoff(aid, handoff), decision.decode)
-            async for delta in self._deliver(inbox, decision.decode, stream):
+            # Until the decode worker's first batch, its KV is still coming from the prefill
+            # worker: that one's FAILED ends the attempt too (a partitioned sender never ends
+            # the pull by itself).
+            deliveries = self._deliver(inbox, decision.decode, stream, decision.prefill)
+            async for delta in deliveries:
                 yield delta
             over = True
         finally:
@@ -387,11 +391,17 @@ class Coordinator:
         raise AttemptFailed(f"{worker} is FAILED (router: missed heartbeats)", worker, True)
 
     async def _deliver(
-        self, inbox: Inbox, worker: str, stream: ClientStream
+        self, inbox: Inbox, worker: str, stream: ClientStream, sender: str | None = None
     ) -> AsyncGenerator[ClientDelta, None]:
+        """``worker``'s batches for the attempt as client deltas. ``sender``: the prefill worker
+        the first batch waits on (its KV transfer), FAILED -> AttemptFailed blaming it."""
         while not stream.finished:
             try:
-                batch = await inbox.get()
+                if sender is not None:
+                    batch = await self._unless_failed(inbox.get(), sender)
+                    sender = None
+                else:
+                    batch = await inbox.get()
             except AttemptFailed:
                 raise
             except RayActorError as exc:

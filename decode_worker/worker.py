@@ -20,6 +20,7 @@ short uncached prompts, where disaggregation costs more than it saves.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
@@ -30,7 +31,7 @@ from contracts.actors import DecodeAPI
 from contracts.messages import Attempt, KVPullFailed, KVSource, TokenBatch, TransferRecord
 from contracts.roles import Role
 from kv_transfer import Transport, make_transport
-from kv_transfer.errors import KVPeerUnavailable, KVTransferError
+from kv_transfer.errors import KVPeerUnavailable, KVTransferAborted, KVTransferError
 from kv_transfer.exporter import ReleaseReason
 from kv_transfer.format import LayerChunk, TransferKey
 
@@ -105,11 +106,21 @@ class DecodeWorker(EngineWorker):
     async def _pull(
         self, source: KVSource, key: TransferKey, blocks: list[int], deadline: float | None
     ) -> None:
-        """Pull and write every layer (in a thread: the transports block), then ack."""
+        """Pull and write every layer (in a thread: the transports block), then ack.
+
+        Cancelled (the attempt stopped: its sender FAILED, the client gone), the pull's thread
+        may still be waiting on the sender, and the caller frees ``blocks`` at once: from then
+        on the sink writes nothing (a layer arriving late would land in blocks another request
+        may hold) and ends the pull at its next chunk."""
         transport = self.transport
+        closing = threading.Lock()
+        closed = False
 
         def sink(chunk: LayerChunk) -> None:  # only verified chunks arrive here
-            self.engine.write_kv_layer(chunk.layer, blocks, chunk.payload)
+            with closing:
+                if closed:
+                    raise KVTransferAborted(f"transfer {key}: the attempt was stopped")
+                self.engine.write_kv_layer(chunk.layer, blocks, chunk.payload)
 
         started = time.time()
         try:
@@ -119,6 +130,10 @@ class DecodeWorker(EngineWorker):
         except KVTransferError as exc:
             dead = isinstance(exc, KVPeerUnavailable)
             raise KVPullFailed(f"pull from {source.worker}: {exc}", source.worker, dead) from exc
+        except BaseException:
+            with closing:  # a write in progress finishes first; none starts after
+                closed = True
+            raise
         done = time.time()
         await asyncio.to_thread(transport.release, source.address, key, ReleaseReason.ACKED)
         self._transfer_seq += 1

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from contracts.actors import NAMESPACE, ROUTER_NAME
 from tandem.demo import tandem_home
 
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -243,6 +244,7 @@ def enter(host: Host) -> None:
 
 RAY_PORT = 6379  # the head's GCS port in deploy/cluster-testbed.yaml
 SERVE_PORT = 8000
+REPLY = "tandem-testbed-reply: "  # on_head's marker for its driver's answer
 
 
 def url(bed: Testbed) -> str:
@@ -252,11 +254,12 @@ def url(bed: Testbed) -> str:
 
 def on_head(bed: Testbed, code: str, timeout_s: float = 120.0) -> Any:
     """Run ``code`` in a Ray driver on the head host (after ``ray.init`` of the bed's cluster;
-    ``json`` and ``ray`` imported); what it prints last, as JSON. RuntimeError with its stderr
-    if it fails."""
+    ``json`` and ``ray`` imported); what it passes to ``reply(obj)`` (JSON-able). RuntimeError
+    with its stderr if it fails. (Ray itself may print to stdout, e.g. about a dead node.)"""
     head = bed.hosts[0]
     script = (
         "import json, ray\n"
+        f"def reply(obj): print({REPLY!r} + json.dumps(obj), flush=True)\n"
         f"ray.init(address='{head.address}:{RAY_PORT}', logging_level='ERROR', "
         "log_to_driver=False)\n" + code
     )
@@ -271,7 +274,18 @@ def on_head(bed: Testbed, code: str, timeout_s: float = 120.0) -> Any:
     )
     if out.returncode != 0:
         raise RuntimeError(f"driver on {head.name} failed: {out.stderr[-3000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    replies = [line for line in out.stdout.splitlines() if line.startswith(REPLY)]
+    if not replies:
+        raise RuntimeError(f"driver on {head.name} did not reply: {out.stdout[-3000:]}")
+    return json.loads(replies[-1].removeprefix(REPLY))
+
+
+def ask_router(bed: Testbed, method: str) -> Any:
+    """The answer of the Tandem router actor's ``method`` (no arguments, JSON-able), e.g.
+    ``decisions`` or ``health_events``, asked by a driver on the head host."""
+    code = f"r = ray.get_actor({ROUTER_NAME!r}, namespace={NAMESPACE!r})\n"
+    code += f"reply(ray.get(r.{method}.remote(), timeout=30))\n"
+    return on_head(bed, code)
 
 
 def serve_on_head(bed: Testbed, topology: Path) -> subprocess.Popen[bytes]:

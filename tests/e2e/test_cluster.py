@@ -259,6 +259,44 @@ def test_a_hung_worker_is_routed_around_its_request_migrated_then_it_rejoins(
     run(body())
 
 
+def test_a_sender_failed_mid_transfer_ends_the_decode_leg_at_once(
+    cluster: Cluster, colocated: LLMEngine
+) -> None:
+    """The prefill worker is marked FAILED while its KV stream to the decode worker is stalled
+    (a partitioned sender: the pull would wait for it until its deadline): the decode leg is
+    stopped at once and the request moves on to the other prefill worker, exactly; when the
+    stalled stream resumes, its late layers are written nowhere (the decode worker freed those
+    blocks), and every pool is back at baseline."""
+    tokens = prompt(40, 23)
+    long = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    stall_s = 8.0
+
+    async def body() -> None:
+        stall = Fault(
+            FaultPoint.TRANSFER_CHUNK, FaultAction.STALL, at=2, attempt=1, seconds=stall_s
+        )
+        for name in ("prefill-0", "prefill-1"):
+            await cluster.workers[name].set_faults(FaultPlan([stall]))
+        before = len(await cluster.router.decisions())
+        task = asyncio.ensure_future(collect(cluster, tokens, long))
+        while len(decisions := await cluster.router.decisions()) <= before:
+            await asyncio.sleep(0.01)
+        sender = decisions[before]["prefill"]
+        await asyncio.sleep(1.0)  # the first token is out; layer 1 waits in the stall
+        stalled_at = time.time()
+        await cluster.router.worker_failed(sender)  # as if its heartbeats had stopped
+        assert await task == expected(colocated, tokens, long)
+        record = cluster.coordinator.records[-1]
+        assert record.attempts == 2 and record.finished < stalled_at + 2.0
+        assert (await cluster.router.decisions())[-1]["prefill"] != sender
+        await asyncio.sleep(max(stalled_at + stall_s + 1.0 - time.time(), 0))  # it resumed
+        await settle(cluster)
+        await assert_clean(cluster)
+        assert await collect(cluster, tokens, long) == expected(colocated, tokens, long)
+
+    run(body())
+
+
 def test_a_long_engine_step_is_not_a_missed_heartbeat(
     cluster: Cluster, colocated: LLMEngine
 ) -> None:
