@@ -82,7 +82,8 @@ alive = {}
 for n in ray.nodes():
     alive[n['NodeManagerAddress']] = alive.get(n['NodeManagerAddress'], False) or n['Alive']
 actors = {}
-for a in list_actors(filters=[('ray_namespace', '=', 'tandem')], detail=True):
+gcs = ray.get_runtime_context().gcs_address  # not the other Ray instances this machine runs
+for a in list_actors(address=gcs, filters=[('ray_namespace', '=', 'tandem')], detail=True):
     if a.state != 'DEAD' and a.name:
         node = nodes.get(a.node_id) or {}
         actors[a.name] = [a.state, node.get('NodeManagerAddress'),
