@@ -295,8 +295,7 @@ class Coordinator:
             # Until the decode worker's first batch, its KV is still coming from the prefill
             # worker: that one's FAILED ends the attempt too (a partitioned sender never ends
             # the pull by itself).
-            deliveries = self._deliver(inbox, decision.decode, stream, decision.prefill)
-            async for delta in deliveries:
+            async for delta in self._deliver(inbox, decision.decode, stream, decision.prefill):
                 yield delta
             over = True
         finally:

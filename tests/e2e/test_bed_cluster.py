@@ -43,8 +43,12 @@ CLUSTER = REPO / "deploy" / "cluster-testbed.yaml"
 TOPOLOGY = REPO / "deploy" / "topologies" / "testbed.yaml"
 HEAD = "10.213.0.1"
 URL = f"http://{HEAD}:8000"
-HOST_OF = {"prefill-0": HEAD, "prefill-1": "10.213.0.2", "decode-0": "10.213.0.2"}
-HOST_OF["decode-1"] = "10.213.0.3"
+HOST_OF = {
+    "prefill-0": HEAD,
+    "prefill-1": "10.213.0.2",
+    "decode-0": "10.213.0.2",
+    "decode-1": "10.213.0.3",
+}
 WORKERS = list(HOST_OF)
 HEARTBEAT_TIMEOUT_S = load_topology(TOPOLOGY).heartbeat_timeout_s
 LEASE_TIMEOUT_S = load_topology(TOPOLOGY).lease_timeout_s
@@ -259,6 +263,15 @@ class Load:
             assert_reference(engine, i, self.max_tokens, self.answers[i])
 
 
+def routed_exactly(client: openai.OpenAI, engine: LLMEngine, first: int) -> list[dict[str, Any]]:
+    """Four short requests, each equal to the engine's; the router's decisions for them."""
+    marked = len(decisions())
+    load = Load(client, 4, 8, first=first)
+    load.join()
+    load.assert_reference(engine)
+    return decisions()[marked:]
+
+
 def watch_states(until_s: float) -> list[tuple[float, dict[str, str]]]:
     """The router's worker states, polled every 100 ms for ``until_s``: (time, states) at
     each change."""
@@ -347,11 +360,7 @@ def test_a_killed_decode_host_migrates_its_streams_and_comes_back(
     load.join()
     load.assert_reference(engine)
     # Routed after the failure: never to decode-1.
-    marked = len(decisions())
-    after = Load(client, 4, 8, first=100)
-    after.join()
-    after.assert_reference(engine)
-    assert all(d["decode"] != "decode-1" for d in decisions()[marked:])
+    assert all(d["decode"] != "decode-1" for d in routed_exactly(client, engine, first=100))
     survivors = [n for n in WORKERS if n != "decode-1"]
     for name, pool in pools(survivors).items():
         assert pool["in_use"] == pool["reserved"] == 0, name
@@ -424,11 +433,7 @@ def test_losing_a_domain_leaves_the_rest_serving(
     testbed.kill_host(victim)
     load.join()
     load.assert_reference(engine)
-    marked = len(decisions())
-    after = Load(client, 4, 8, first=500)
-    after.join()
-    after.assert_reference(engine)
-    for d in decisions()[marked:]:
+    for d in routed_exactly(client, engine, first=500):
         assert d["prefill"] in (None, "prefill-0") and d["decode"] in (None, "decode-1"), d
     bring_back(bed, victim)
 
