@@ -716,6 +716,10 @@ def test_peer_death_releases_what_it_pulled(
 def test_stalled_sender_times_out_at_the_deadline(
     registry: KVExportRegistry, server: KVTransferServer, client: KVTransport, stall: str
 ) -> None:
+    # A transfer first, so the 1 s below is not spent opening the torch pair group.
+    warm = publish(registry, random_cache(8, torch.bfloat16), [3], "warm")
+    client.pull(server.address, warm.key, warm.layout, Recorder(), soon(60))
+    assert client.release(server.address, warm.key, ReleaseReason.ACKED)
     pub = publish(registry, random_cache(8, torch.bfloat16), [1, 2], ready=False)
     if stall == "layer_never_ready":
         pub.export.layer_ready(0)
