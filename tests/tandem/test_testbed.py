@@ -6,6 +6,7 @@ run (not root, no sshd). The bed's names (``tdm-*``) are global: a bed left runn
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -168,11 +169,22 @@ def test_a_partitioned_host_is_cut_both_ways_until_healed(state_dir: Path) -> No
     assert reaches(h0.name, h1.address) and reaches(h1.name, h2.address)
 
 
+def netns_pids(name: str) -> list[str]:
+    return subprocess.run(
+        ["ip", "netns", "pids", name], capture_output=True, text=True
+    ).stdout.split()
+
+
 def test_a_killed_host_loses_every_process_until_revived(state_dir: Path) -> None:
     bed = testbed.up(2, state_dir=state_dir)
     h0, h1 = bed.hosts
     sleeper = subprocess.Popen(["ip", "netns", "exec", h1.name, "sleep", "60"])
     try:
+        # `ip netns exec` enters the namespace after Popen returns: wait until it is there.
+        deadline = time.monotonic() + 10.0
+        while str(sleeper.pid) not in netns_pids(h1.name):
+            assert time.monotonic() < deadline, "the sleeper never entered the host"
+            time.sleep(0.02)
         killed = testbed.kill_host(h1)
         assert sleeper.wait(timeout=5) == -9 and sleeper.pid in killed
         assert not reaches(h0.name, h1.address)  # its sshd died with the rest
@@ -197,7 +209,6 @@ def test_ray_up_starts_a_cluster_labelled_by_host_on_the_bed(state_dir: Path) ->
     down` then `tandem testbed down` leave nothing."""
     import json
     import sys
-    import time
 
     ray_cli = str(Path(sys.executable).with_name("ray"))
     testbed.up(3, ["a", "b", "c"])  # the default state dir: the cluster file reads it
