@@ -201,8 +201,15 @@ class Service:
         (left as they were while the router does not answer)."""
         await self._collect_transfers()
         self.metrics.retry_budget.set(self.coordinator.budget.tokens)
+        failures, tally = self.metrics.failures, self.coordinator.tally
+        failures.retries = {r.value: n for r, n in tally.retries.items()}
+        failures.migrations = {r.value: n for r, n in tally.migrations.items()}
+        failures.transport = dict(tally.transport)
         with contextlib.suppress(RouterUnavailable):
-            for s in await self._worker_states():
+            failures.detected = await _ask_router(self.router.failures_detected())
+            states = await self._worker_states()
+            failures.leases_expired = sum(s.leases_expired for s in states)
+            for s in states:
                 if s.healthy:
                     self.metrics.set_worker(
                         s.name, s.kv_usage, s.queue_depth, s.num_running, s.prefix_hit_ratio

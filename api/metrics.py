@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 from prometheus_client import (
@@ -28,11 +29,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from api.gate import RejectCode
-from contracts.routing import Refusal
+from cluster.client_stream import FailureReason
+from contracts.routing import DetectedBy, Refusal
 from engine import metrics as latency
 from engine.request import FinishReason, RequestStatus, RequestTimes
+from kv_transfer.errors import KVTransferError
 
 logger = logging.getLogger("tandem.requests")
 
@@ -49,6 +54,13 @@ REJECTION_CAUSES = (
 # Why a stream ended with an error event after its first token (the APIError codes): a fault
 # that migration could not recover ("failed"), its deadline ("timeout"), anything else.
 STREAM_ERROR_CAUSES = ("failed", "timeout", "kv_capacity", "internal")
+FAILURE_REASONS = tuple(reason.value for reason in FailureReason)
+_TRANSFER_ERRORS: tuple[type[KVTransferError], ...] = (
+    KVTransferError,
+    *KVTransferError.__subclasses__(),
+)
+TRANSPORT_FAILURE_KINDS = tuple(sorted({c.kind for c in _TRANSFER_ERRORS}))
+DETECTION_HOWS = tuple(how.value for how in DetectedBy)
 
 # Buckets (seconds unless named). Each spans the fastest case the demo model on a CPU gives to
 # the slowest a client still waits for, denser where SLOs usually sit.
@@ -227,6 +239,8 @@ class Metrics:
             ["cause"],
             registry=r,
         )
+        self.failures = FailureCounts()
+        r.register(self.failures)
         # Every cause is exported from the start (at 0), so a rate() over it is defined
         # before the first rejection.
         for cause in REJECTION_CAUSES:
@@ -295,6 +309,65 @@ class Metrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type, for a ``/metrics`` response."""
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class FailureCounts(Collector):
+    """Counters kept where the failures are seen, exported as they were at the last scrape
+    (``Metrics.failures`` is updated before each render): retries and migrations by reason
+    and failed KV transfers by kind (this ingress's coordinator), workers found FAILED by how
+    (the router, since it started), KV leases that expired (the prefill workers, since each
+    started). A restart of the process that counts starts its count again, which Prometheus
+    reads as a counter reset."""
+
+    def __init__(self) -> None:
+        self.retries: Mapping[str, int] = {}
+        self.migrations: Mapping[str, int] = {}
+        self.transport: Mapping[str, int] = {}
+        self.detected: Mapping[str, int] = {}
+        self.leases_expired = 0
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        families = (
+            (
+                "tandem_retries",
+                "Attempts retried before the first token, by why the last one ended.",
+                "reason",
+                self.retries,
+                FAILURE_REASONS,
+            ),
+            (
+                "tandem_migrations",
+                "Streams moved to another worker after their first token, by "
+                "why the attempt ended.",
+                "reason",
+                self.migrations,
+                FAILURE_REASONS,
+            ),
+            (
+                "tandem_transport_failures",
+                "KV transfers that failed, by how.",
+                "kind",
+                self.transport,
+                TRANSPORT_FAILURE_KINDS,
+            ),
+            (
+                "tandem_worker_failures_detected",
+                "Workers the router marked FAILED, by how it found out.",
+                "how",
+                self.detected,
+                DETECTION_HOWS,
+            ),
+        )
+        for name, doc, label, counts, known in families:
+            family = CounterMetricFamily(name, doc, labels=[label])
+            for value in sorted({*known, *counts}):
+                family.add_metric([value], counts.get(value, 0))
+            yield family
+        expired = CounterMetricFamily(
+            "tandem_kv_lease_expired", "KV leases that expired before decode claimed them."
+        )
+        expired.add_metric([], self.leases_expired)
+        yield expired
 
 
 def log_record(t: RequestTiming) -> str:

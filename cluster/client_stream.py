@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 
 from contracts.messages import RequestSpec, TokenBatch
 from engine.request import FinishReason
@@ -30,6 +31,18 @@ CLIENT_ENDS = frozenset(
 )
 
 
+class FailureReason(StrEnum):
+    """Why an attempt ended early: the label of ``tandem_retries_total`` and
+    ``tandem_migrations_total``."""
+
+    WORKER_DIED = "worker_died"  # Ray reported the actor dead
+    WORKER_FAILED = "worker_failed"  # the router marked it FAILED (missed heartbeats)
+    KV_TRANSFER = "kv_transfer"  # the decode worker could not pull the KV
+    NO_ROOM = "no_room"  # its engine refused the request (no KV room)
+    NO_REPLICA = "no_replica"  # nothing outside the exclusions could take it
+    WORKER_ERROR = "worker_error"  # the worker raised, or ended the attempt without a reason
+
+
 class AttemptFailed(RuntimeError):
     """One attempt could not go on; ``worker`` (if known) is the one to blame."""
 
@@ -40,12 +53,26 @@ class AttemptFailed(RuntimeError):
         dead: bool = False,
         rejected: bool = False,
         no_replica: bool = False,
+        reason: FailureReason | None = None,
+        transport: str | None = None,
     ) -> None:
         super().__init__(message)
         self.worker = worker
         self.dead = dead  # the worker itself is gone (tell the router)
         self.rejected = rejected  # its engine's admission refused the request (no KV room)
         self.no_replica = no_replica  # the router had no replica left outside the exclusions
+        self.transport = transport  # how the KV transfer failed (KVTransferError.kind), if it did
+        if reason is None:
+            reason = (
+                FailureReason.NO_REPLICA
+                if no_replica
+                else FailureReason.NO_ROOM
+                if rejected
+                else FailureReason.WORKER_DIED
+                if dead
+                else FailureReason.WORKER_ERROR
+            )
+        self.reason = reason
 
 
 @dataclass

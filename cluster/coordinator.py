@@ -32,14 +32,15 @@ import logging
 import math
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.client_stream import AttemptFailed, ClientDelta, ClientStream
+from cluster.client_stream import AttemptFailed, ClientDelta, ClientStream, FailureReason
 from cluster.retry import Exclusions, GiveUp, RetriesExhausted, RetryBudget, RetryPolicy
 from cluster.token_stream import Hub, Inbox
 from contracts.actors import RouterClient, WorkerClient
@@ -57,6 +58,23 @@ from engine.kv_cache_manager import prefix_hashes
 from engine.request import FinishReason, RecordLog, RequestStatus
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class FailureTally:
+    """Attempts that ended early, counted as the ingress's Prometheus counters read them:
+    retried before the first token or migrated after it, by reason; and KV transfers that
+    failed, by how."""
+
+    retries: Counter[FailureReason] = field(default_factory=Counter)
+    migrations: Counter[FailureReason] = field(default_factory=Counter)
+    transport: Counter[str] = field(default_factory=Counter)
+
+    def failed(self, exc: AttemptFailed, started: bool, again: bool) -> None:
+        if exc.transport is not None:
+            self.transport[exc.transport] += 1
+        if again:
+            (self.migrations if started else self.retries)[exc.reason] += 1
 
 
 @dataclass(frozen=True)
@@ -160,6 +178,7 @@ class Coordinator:
         self.model_id = model_id
         self.budget = RetryBudget(retry)
         self.records: RecordLog[ClientRecord] = RecordLog()  # the latest, bounded
+        self.tally = FailureTally()
         self._health = _HealthWatch(router, self._worker_failed)
         self._releases: set[asyncio.Task[None]] = set()  # grants being given back
         # The workers' token streams to this coordinator (made on the loop that reads them).
@@ -212,6 +231,7 @@ class Coordinator:
                     elif exc.worker is not None:
                         exclusions.failed(exc.worker)
                     why = self.budget.may_retry(attempts, spec.deadline, bool(stream.tokens))
+                    self.tally.failed(exc, started=bool(stream.tokens), again=why is None)
                     if why is not None:
                         error = str(exc)
                         if why is GiveUp.DEADLINE:
@@ -387,7 +407,12 @@ class Coordinator:
         finally:
             if not answer.done():
                 answer.cancel()
-        raise AttemptFailed(f"{worker} is FAILED (router: missed heartbeats)", worker, True)
+        raise AttemptFailed(
+            f"{worker} is FAILED (router: missed heartbeats)",
+            worker,
+            True,
+            reason=FailureReason.WORKER_FAILED,
+        )
 
     async def _deliver(
         self, inbox: Inbox, worker: str, stream: ClientStream, sender: str | None = None
@@ -426,7 +451,8 @@ class Coordinator:
         """The router marked ``worker`` FAILED: what it streams to us will not come."""
         hub = self._hubs.get(worker)
         if hub is not None:
-            hub.fail(AttemptFailed(f"{worker} is FAILED (router: missed heartbeats)", worker, True))
+            why = f"{worker} is FAILED (router: missed heartbeats)"
+            hub.fail(AttemptFailed(why, worker, True, reason=FailureReason.WORKER_FAILED))
 
     async def _report_dead(self, worker: str) -> None:
         try:
@@ -443,6 +469,12 @@ def _failure(exc: Exception, worker: str) -> AttemptFailed:
     """What ``worker`` raised for an attempt, as the AttemptFailed that blames the right worker."""
     cause = getattr(exc, "cause", exc)  # a RayTaskError wraps the worker's exception
     if isinstance(cause, KVPullFailed):  # the KV's source is to blame, not the puller
-        return AttemptFailed(str(cause), cause.worker, dead=cause.dead)
+        return AttemptFailed(
+            str(cause),
+            cause.worker,
+            dead=cause.dead,
+            reason=FailureReason.KV_TRANSFER,
+            transport=cause.kind,
+        )
     rejected = isinstance(cause, RequestRejected)
     return AttemptFailed(f"{worker}: {cause}", worker, rejected=rejected)

@@ -37,6 +37,7 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError
 
+from contracts import liveness
 from contracts.actors import NAMESPACE, RouterClient, WorkerAPI
 from contracts.faults import FaultPlan, FaultPoint
 from contracts.messages import Attempt, Delivery, TokenBatch, WorkerInfo, WorkerLoad
@@ -52,6 +53,7 @@ logger = logging.getLogger(__name__)
 # An engine step longer than this is a hung engine, not a long prefill: the worker stops its
 # heartbeats (see EngineWorker._report_loop).
 ENGINE_SILENCE_S = 60.0
+LIVENESS_RETRY_S = 0.5  # after the liveness connection ends, connect again this soon
 
 
 def batch_of(out: StreamOutput) -> TokenBatch:
@@ -140,6 +142,7 @@ class EngineWorker:
         self.faults = FaultPlan()
         self._changed: asyncio.Event | None = None  # created on the actor's loop
         self._reporter: asyncio.Task[None] | None = None
+        self._liveness: asyncio.Task[None] | None = None
         # Resyncs asked for (start, readmission, a lost or ignored report) and delivered.
         self._resyncs_asked = 0
         self._resyncs_done = 0
@@ -175,7 +178,9 @@ class EngineWorker:
         self._resyncs_asked += 1
         if self._reporter is None:
             self._changed = asyncio.Event()
-            self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
+            loop = asyncio.get_running_loop()
+            self._reporter = loop.create_task(self._report_loop())
+            self._liveness = loop.create_task(self._hold_liveness())
         self._touch()  # report now: a readmitting router has no view of us
         return self.info()
 
@@ -198,6 +203,10 @@ class EngineWorker:
         """Arm the fault-injection harness (tests, chaos runs)."""
         self.faults = plan
 
+    async def faults_pending(self) -> int:
+        """Faults armed here that have not fired yet (a chaos run waits for them)."""
+        return sum(not f.fired for f in self.faults.faults)
+
     # -- reports -------------------------------------------------------------------------------
 
     def _touch(self) -> None:
@@ -218,9 +227,29 @@ class EngineWorker:
             kv_usage=stats.in_use_blocks / stats.total_blocks,
             prefix_hit_ratio=stats.prefix_hit_ratio,
             claimed_blocks=engine.claimed_blocks,
+            leases_expired=self.leases_expired(),
             admitted=tuple(engine.admitted),
         )
         return load, engine.kv_events
+
+    def leases_expired(self) -> int:
+        """KV leases this process let expire (a prefill worker's; none elsewhere)."""
+        return 0
+
+    async def _hold_liveness(self) -> None:
+        """Hold a connection to the router for the life of this process: the kernel closes it
+        when the process exits, which tells the router at once (contracts/liveness.py).
+        Connects again whenever it ends (a restarted router)."""
+        while True:
+            try:
+                if self.router is None:
+                    self._find_router()
+                address = await self.router.liveness_address() if self.router else None
+                if address is not None:
+                    await liveness.hold(address, self.name, self.incarnation)
+            except Exception:  # the router restarting or gone: look again
+                logger.debug("%s: liveness connection", self.name, exc_info=True)
+            await asyncio.sleep(LIVENESS_RETRY_S)
 
     async def _report_loop(self) -> None:
         """Push load and KV events to the router, as a heartbeat too. The first report, the first

@@ -128,6 +128,7 @@ class WorkerLoad:
     kv_usage: float  # in-use blocks / total, in [0, 1]
     prefix_hit_ratio: float = 0.0  # prompt tokens found in the prefix cache / looked up
     claimed_blocks: int = 0  # KV blocks reserved or held by its requests (leases included)
+    leases_expired: int = 0  # KV leases this process let expire unclaimed (prefill workers)
     # Attempt ids its engine admitted since the last report: the router's ledger stops
     # counting them as promised-but-unseen (they are in queue_depth/num_running/claimed now).
     admitted: tuple[str, ...] = ()
@@ -147,12 +148,14 @@ class TransferRecord:
 
 class KVPullFailed(RuntimeError):
     """A decode worker could not pull an attempt's KV; ``worker`` is the prefill worker it
-    came from (to blame for the retry), ``dead`` whether that worker is gone."""
+    came from (to blame for the retry), ``dead`` whether that worker is gone, ``kind`` how the
+    transfer failed (``tandem_transport_failures_total``: integrity, truncated, timeout, ...)."""
 
-    def __init__(self, message: str, worker: str, dead: bool) -> None:
+    def __init__(self, message: str, worker: str, dead: bool, kind: str = "other") -> None:
         super().__init__(message)
         self.worker = worker
         self.dead = dead
+        self.kind = kind
 
     def __reduce__(self) -> tuple[Any, ...]:  # crosses Ray actor boundaries
-        return (KVPullFailed, (self.args[0], self.worker, self.dead))
+        return (KVPullFailed, (self.args[0], self.worker, self.dead, self.kind))

@@ -67,6 +67,14 @@ class NoReplicaAvailable(RuntimeError):
         return (type(self), (self.pool, self.request_id, self.reasons))
 
 
+class DetectedBy(StrEnum):
+    """How the router found a worker FAILED (``tandem_worker_failures_detected_total``)."""
+
+    RESTART = "restart"  # a new process announced itself under the name
+    ACTOR_DEATH = "actor_death"  # a coordinator saw the actor die and reported it
+    HEARTBEAT = "heartbeat"  # its reports stopped for the heartbeat timeout
+
+
 @dataclass(slots=True)
 class WorkerState:
     """What the router knows of one worker, from its last report (the actor updates it in
@@ -81,6 +89,7 @@ class WorkerState:
     num_running: int = 0
     kv_usage: float = 0.0  # in-use KV blocks / total, in [0, 1]
     prefix_hit_ratio: float = 0.0  # reported, for metrics (the cost uses the exact index)
+    leases_expired: int = 0  # reported, for metrics: its process's KV leases that expired
     block_size: int = 16  # tokens per KV block (EngineConfig's default)
     # Admission (router/admission.py): the engine's limits, the KV blocks its requests claim
     # as last reported, and what the router granted that the worker has not reported yet.

@@ -129,7 +129,8 @@ class DecodeWorker(EngineWorker):
             )
         except KVTransferError as exc:
             dead = isinstance(exc, KVPeerUnavailable)
-            raise KVPullFailed(f"pull from {source.worker}: {exc}", source.worker, dead) from exc
+            message = f"pull from {source.worker}: {exc}"
+            raise KVPullFailed(message, source.worker, dead, exc.kind) from exc
         except BaseException:
             with closing:  # a write in progress finishes first; none starts after
                 closed = True

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -121,7 +122,7 @@ class Export:
             self._released = reason
             self._failure = failure
             self._cond.notify_all()
-        self._registry._forget(self)
+        self._registry._forget(self, reason)
         self._on_release(reason)
         return True
 
@@ -170,6 +171,7 @@ class KVExportRegistry:
         self.fault_hook: FaultHook | None = None
         self._lock = threading.Lock()
         self._exports: dict[TransferKey, Export] = {}
+        self.releases: Counter[ReleaseReason] = Counter()  # leases ended, by how (metrics)
 
     def __len__(self) -> int:
         with self._lock:
@@ -264,8 +266,9 @@ class KVExportRegistry:
                 return
             yield index, item
 
-    def _forget(self, export: Export) -> None:
+    def _forget(self, export: Export, reason: ReleaseReason) -> None:
         with self._lock:
+            self.releases[reason] += 1
             if self._exports.get(export.key) is export:
                 del self._exports[export.key]
 

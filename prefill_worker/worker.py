@@ -48,6 +48,9 @@ class PrefillWorker(EngineWorker):
     def kv_address(self) -> str | None:
         return str(self.server.address)
 
+    def leases_expired(self) -> int:
+        return self.registry.releases[ReleaseReason.EXPIRED]
+
     def _transfer_fault(self, key: TransferKey, index: int) -> Fault | None:
         """The harness's fault due at KV stream message ``index`` (a CRASH ends the process
         here; the exporter applies the rest)."""

@@ -30,18 +30,20 @@ import contextlib
 import json
 import logging
 import time
-from collections import deque
+from collections import Counter, deque
 from typing import TYPE_CHECKING, Any
 
 import ray
 
 from contracts.actors import RouterAPI, WorkerClient
+from contracts.liveness import LivenessServer
 from contracts.messages import WorkerInfo, WorkerLoad
 from contracts.roles import Role
 from contracts.routing import (
     UNAVAILABLE_RETRY_AFTER_S,
     AdmissionRefused,
     Decision,
+    DetectedBy,
     NoReplicaAvailable,
     Refusal,
     RouteRequest,
@@ -85,8 +87,11 @@ class RouterActor:
         # answered: it may report again), up (its report was taken). What detection and
         # recovery times are measured from.
         self.health_log: deque[dict[str, Any]] = deque(maxlen=1000)
+        self.detected: Counter[DetectedBy] = Counter()
         self._checking: set[str] = set()
         self._monitor: asyncio.Task[None] | None = None
+        self.liveness: LivenessServer | None = None
+        self._liveness_started: asyncio.Task[str] | None = None
         # Health changes, for watch_health: the version counts them, the event fires on each.
         self.health_version = 0
         self._health_changed = asyncio.Event()
@@ -148,6 +153,7 @@ class RouterActor:
         state.kv_usage = load.kv_usage
         state.prefix_hit_ratio = load.prefix_hit_ratio
         state.claimed_blocks = load.claimed_blocks
+        state.leases_expired = load.leases_expired
         self.ledger.admitted(name, load.admitted)
         self._pump()
         return True
@@ -158,13 +164,14 @@ class RouterActor:
         -- until the health check readmits it (it then resyncs), not after a heartbeat timeout."""
         known = self.incarnations.get(name)
         if known is not None and known != incarnation:
-            self._fail(name, "restarted")
+            self._fail(name, "restarted", DetectedBy.RESTART)
 
     async def worker_failed(self, name: str) -> None:
         """The coordinator saw ``name`` die (actor death, transport UNAVAILABLE)."""
-        self._fail(name, "reported dead")
+        self._fail(name, "reported dead", DetectedBy.ACTOR_DEATH)
 
-    def _fail(self, name: str, why: str) -> None:
+    def _fail(self, name: str, why: str, how: DetectedBy) -> None:
+        """Mark ``name`` FAILED; ``how`` it was found out."""
         state = self.states.get(name)
         if state is None:
             return
@@ -172,6 +179,7 @@ class RouterActor:
             logger.warning("worker %s FAILED: %s", name, why)
         if not state.failed:
             self._note(name, "failed", why)
+            self.detected[how] += 1
         state.failed = True
         self._set_healthy(state, False)
         self.index.drop_worker(name)
@@ -182,6 +190,10 @@ class RouterActor:
 
     def _note(self, name: str, event: str, why: str = "") -> None:
         self.health_log.append({"worker": name, "event": event, "why": why, "at": time.time()})
+
+    async def failures_detected(self) -> dict[str, int]:
+        """Workers this router marked FAILED, by how it found out (since it started)."""
+        return {how.value: n for how, n in self.detected.items()}
 
     async def health_events(self) -> list[dict[str, Any]]:
         """The workers' health transitions (``health_log``), oldest first."""
@@ -228,7 +240,25 @@ class RouterActor:
 
     def _start_monitor(self) -> None:
         if self._monitor is None:
-            self._monitor = asyncio.get_running_loop().create_task(self._watch_heartbeats())
+            loop = asyncio.get_running_loop()
+            self._monitor = loop.create_task(self._watch_heartbeats())
+            if ray.is_initialized():  # (a router under test without Ray has no processes)
+                self.liveness = LivenessServer(ray.util.get_node_ip_address(), self._lost)
+                self._liveness_started = loop.create_task(self.liveness.start())
+
+    async def liveness_address(self) -> str | None:
+        """Where each worker process holds its connection (contracts/liveness.py)."""
+        self._start_monitor()
+        if self._liveness_started is None:
+            return None
+        return await asyncio.shield(self._liveness_started)
+
+    def _lost(self, name: str, incarnation: str) -> None:
+        """A worker's liveness connection closed: its process exited, if that incarnation is
+        the one this router knows (a restarted process connects again under a new one)."""
+        state = self.states.get(name)
+        if state is not None and not state.failed and self.incarnations.get(name) == incarnation:
+            self._fail(name, "its process exited", DetectedBy.ACTOR_DEATH)
 
     async def _watch_heartbeats(self) -> None:
         while True:
@@ -236,7 +266,7 @@ class RouterActor:
             for name, state in self.states.items():
                 seen = self.last_seen.get(name)
                 if state.healthy and seen is not None and now - seen > self.heartbeat_timeout_s:
-                    self._fail(name, f"silent for {now - seen:.1f} s")
+                    self._fail(name, f"silent for {now - seen:.1f} s", DetectedBy.HEARTBEAT)
             if self.ledger.expire(now):
                 self._pump()
             since = self._stalled_since

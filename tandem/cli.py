@@ -146,6 +146,22 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the raw JSON")
     st.set_defaults(func=cmd_status)
 
+    ch = sub.add_parser("chaos", help="run a fault plan against Tandem under load; report")
+    ch_sub = ch.add_subparsers(dest="chaos_command", required=True)
+    ch_run = ch_sub.add_parser("run", help="run PLAN (a file, or a shipped plan's name)")
+    ch_run.add_argument("plan")
+    ch_run.add_argument(
+        "--topology", default=None, help="the cluster's topology YAML (default: local.yaml)"
+    )
+    ch_run.add_argument(
+        "--address", default=None, help="a running cluster's Ray address (default: start one)"
+    )
+    ch_run.add_argument("--url", default=None, help="its HTTP endpoint (with --address)")
+    ch_run.add_argument("--out", default=None, help="report directory (default: chaos-reports/)")
+    ch_run.set_defaults(func=cmd_chaos_run)
+    ch_plans = ch_sub.add_parser("plans", help="the shipped plans, a line each")
+    ch_plans.set_defaults(func=cmd_chaos_plans)
+
     tb = sub.add_parser("testbed", help="hosts in network namespaces on this machine (root)")
     tb_sub = tb.add_subparsers(dest="testbed_command", required=True)
     tb_up = tb_sub.add_parser("up", help="start the hosts (keeps a running bed of this shape)")
@@ -225,6 +241,21 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def _cell(value: object) -> str:
     return f"{value:.0%}" if isinstance(value, float) else str(value)
+
+
+def cmd_chaos_run(a: argparse.Namespace) -> int:
+    from tandem.chaos.main import run_command
+    from tandem.deployment import DEFAULT_TOPOLOGY
+
+    topology = Path(a.topology) if a.topology else DEFAULT_TOPOLOGY
+    out = Path(a.out) if a.out else None
+    return run_command(a.plan, topology, a.address, a.url, out)
+
+
+def cmd_chaos_plans(a: argparse.Namespace) -> int:
+    from tandem.chaos.main import plans_command
+
+    return plans_command()
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -278,19 +278,7 @@ class Topology(_Section):
     @classmethod
     def from_yaml_text(cls, text: str, source: str = "<text>") -> Topology:
         """Parse and validate one YAML document; ``source`` names it in errors."""
-        try:
-            data = yaml.load(text, Loader=_StrictLoader)
-        except yaml.YAMLError as exc:
-            raise TopologyError(f"{source}: not valid YAML: {exc}") from exc
-        if not isinstance(data, dict):
-            raise TopologyError(
-                f"{source}: the document must be a mapping of sections, got {_show(data)}"
-            )
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            problems = "; ".join(_describe(err) for err in exc.errors())
-            raise TopologyError(f"{source}: {problems}") from None
+        return parse_yaml(cls, text, source, TopologyError)
 
     # -- placement -----------------------------------------------------------------------------
 
@@ -343,6 +331,25 @@ def load_topology(path: str | Path) -> Topology:
     except OSError as exc:
         raise TopologyError(f"{path}: cannot read topology file: {exc.strerror}") from exc
     return Topology.from_yaml_text(text, source=str(path))
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse_yaml(model: type[M], text: str, source: str, error: type[ValueError]) -> M:
+    """One YAML document validated as ``model`` (a key given twice is an error too); every
+    problem is raised as ``error``, naming ``source`` and each offending field with its value."""
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as exc:
+        raise error(f"{source}: not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise error(f"{source}: the document must be a mapping of sections, got {_show(data)}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(_describe(err) for err in exc.errors())
+        raise error(f"{source}: {problems}") from None
 
 
 def _unique(names: list[str]) -> list[str]:

@@ -504,3 +504,30 @@ def test_each_failure_before_a_token_is_its_status_with_retry_after_where_retryi
     err = _api_error(exc)
     assert (err.status, err.code) == (status, code)
     assert err.headers().get("Retry-After") == retry_after
+
+
+def test_failure_counters_are_exported_with_every_label_from_the_start() -> None:
+    """Retries, migrations, transport failures and detections as last counted where they are
+    seen; every known label at 0 before its first count, so a rate() over it is defined."""
+    m = Metrics()
+    got = samples(m)
+    for reason in ("worker_died", "worker_failed", "kv_transfer", "no_room", "no_replica"):
+        assert value(got, "tandem_retries_total", reason=reason) == 0
+        assert value(got, "tandem_migrations_total", reason=reason) == 0
+    for kind in ("integrity", "truncated", "timeout", "aborted", "peer_unavailable", "frame"):
+        assert value(got, "tandem_transport_failures_total", kind=kind) == 0
+    for how in ("restart", "actor_death", "heartbeat"):
+        assert value(got, "tandem_worker_failures_detected_total", how=how) == 0
+    assert value(got, "tandem_kv_lease_expired_total") == 0
+    m.failures.retries = {"kv_transfer": 3}
+    m.failures.migrations = {"worker_died": 2}
+    m.failures.transport = {"integrity": 3}
+    m.failures.detected = {"heartbeat": 1, "actor_death": 4}
+    m.failures.leases_expired = 5
+    got = samples(m)
+    assert value(got, "tandem_retries_total", reason="kv_transfer") == 3
+    assert value(got, "tandem_retries_total", reason="worker_died") == 0
+    assert value(got, "tandem_migrations_total", reason="worker_died") == 2
+    assert value(got, "tandem_transport_failures_total", kind="integrity") == 3
+    assert value(got, "tandem_worker_failures_detected_total", how="actor_death") == 4
+    assert value(got, "tandem_kv_lease_expired_total") == 5

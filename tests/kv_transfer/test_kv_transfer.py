@@ -428,6 +428,8 @@ def test_lease_expiry_and_peer_death() -> None:
     with pytest.raises(KVUnknownTransfer):
         registry.get(c.key, "decode-2", now=now + 100)
     assert c.releases == [ReleaseReason.EXPIRED] and len(registry) == 0
+    # What tandem_kv_lease_expired_total reads (through the prefill worker's report).
+    assert registry.releases == {ReleaseReason.EXPIRED: 2, ReleaseReason.PEER_DEAD: 1}
 
 
 # --- transport contract -------------------------------------------------------------------

@@ -521,6 +521,9 @@ def test_a_worker_restarted_under_a_known_name_is_failed_at_once_with_its_credit
         states = {s.name: s for s in await actor.worker_states()}
         assert (states["prefill-0"].healthy, states["prefill-0"].failed) == (False, True)
         assert states["prefill-0"].cached_blocks == 0
+        assert await actor.failures_detected() == {"restart": 1}
+        await actor.worker_failed("decode-0")
+        assert await actor.failures_detected() == {"restart": 1, "actor_death": 1}
 
     asyncio.run(asyncio.wait_for(body(), 10))
 
@@ -552,5 +555,7 @@ def test_the_health_log_records_each_transition_once() -> None:
         assert [(e["worker"], e["event"]) for e in events] == [("decode-0", "failed")]
         assert events[0]["why"].startswith("silent for ")
         assert float(events[0]["why"].split()[2]) >= 0.2
+        # Counted once, by how it was found: the later report of its death adds nothing.
+        assert await actor.failures_detected() == {"heartbeat": 1}
 
     asyncio.run(asyncio.wait_for(body(), 10))

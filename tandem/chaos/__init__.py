@@ -1,0 +1,3 @@
+"""``tandem chaos``: fault plans run against a live Tandem under real load, every promise of
+docs/design.md#promises checked from outside (the client's tokens against a reference engine)
+and inside (pools, leases, terminal records, the router's health log), and a report."""

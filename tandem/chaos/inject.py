@@ -1,0 +1,260 @@
+"""Faults done to a live cluster, as they happen to real ones: a process SIGKILLed (a crash),
+SIGSTOPped (a hang), stopped part of the time (a starved machine), a KV sender told to spoil
+chunks (``contracts.faults``), the router or the ingress replica killed.
+
+Signals are sent by a Ray task pinned to the node the process runs on, so the same code works on
+one machine and across hosts. Each fault done is a :class:`FaultEvent`: when, to whom, and
+whether it touched every request in flight (router, ingress, abort storm) or only those on its
+workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from contracts.actors import NAMESPACE, ROUTER_NAME
+from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
+from contracts.roles import Role
+from tandem.chaos.plan import KVAction, Phase, Target
+
+CALL_TIMEOUT_S = 10.0
+# Where each phase's crash is armed: (worker point, the count it fires at).
+PHASE_POINTS = {
+    Phase.MID_PREFILL: (FaultPoint.PREFILL_LAYERS, 1),
+    Phase.MID_TRANSFER: (FaultPoint.TRANSFER_CHUNK, 2),
+    Phase.FIRST_TOKEN: (FaultPoint.DECODE_TOKENS, 1),
+    Phase.MID_DECODE: (FaultPoint.DECODE_TOKENS, 8),
+}
+KV_ACTIONS = {
+    KVAction.CORRUPT: FaultAction.CORRUPT,
+    KVAction.TRUNCATE: FaultAction.TRUNCATE,
+    KVAction.DROP: FaultAction.DROP,
+    KVAction.STALL: FaultAction.STALL,
+}
+
+
+class InjectError(RuntimeError):
+    """A fault could not be done (its target cannot be found or reached)."""
+
+
+@dataclass
+class FaultEvent:
+    kind: str
+    at: float  # time.time() when it was done (a phase fault: when its process was seen dead)
+    workers: list[str] = field(default_factory=list)  # the workers it hit
+    everyone: bool = False  # it touched every request in flight (router, ingress, storm)
+    until: float | None = None  # a fault with a duration: when it was undone
+    detail: str = ""
+    number: int = 0  # its place among the run's faults, in the order they were done
+
+
+class NodeAgent:
+    """The hands of a chaos run on one Ray node (an actor pinned there): it signals the node's
+    processes and watches them die. Threaded, so a watch and a throttle run beside a kill."""
+
+    def ready(self) -> None:
+        return None
+
+    def signal(self, pid: int, signum: int) -> float:
+        """Send ``signum`` to ``pid``; when (this node's clock)."""
+        os.kill(pid, signum)
+        return time.time()
+
+    def wait_gone(self, pid: int, timeout_s: float) -> float | None:
+        """When ``pid`` died (polled every 5 ms; dead means gone, or a zombie its parent has
+        not reaped yet); None if it lives on for ``timeout_s``."""
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rpartition(")")[2].split()[0] == "Z":
+                        return time.time()
+            except FileNotFoundError:
+                return time.time()
+            time.sleep(0.005)
+        return None
+
+    def throttle(self, pid: int, seconds: float, stopped_share: float, period_s: float) -> None:
+        """Stop ``pid`` for ``stopped_share`` of every ``period_s``, for ``seconds``."""
+        until = time.monotonic() + seconds
+        try:
+            while time.monotonic() < until:
+                os.kill(pid, signal.SIGSTOP)
+                time.sleep(period_s * stopped_share)
+                os.kill(pid, signal.SIGCONT)
+                time.sleep(period_s * (1 - stopped_share))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+
+
+def _whereabouts(_: Any) -> tuple[str, int]:
+    return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+@dataclass
+class Worker:
+    name: str
+    role: Role
+    domain: str
+    handle: Any
+
+
+class Injector:
+    """Does the plan's faults to the cluster named in Tandem's Ray namespace."""
+
+    def __init__(self, workers: list[Worker], seed: int) -> None:
+        self.workers = {w.name: w for w in workers}
+        self.rng = random.Random(seed)
+        self.events: list[FaultEvent] = []
+        self._agents: dict[str, Any] = {}
+
+    async def agent(self, node: str) -> Any:
+        """This run's NodeAgent on ``node`` (started and ready)."""
+        if node not in self._agents:
+            strategy = NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+            options = {"num_cpus": 0, "max_concurrency": 16, "scheduling_strategy": strategy}
+            self._agents[node] = ray.remote(NodeAgent).options(**options).remote()
+        await asyncio.wait_for(self._agents[node].ready.remote(), CALL_TIMEOUT_S * 3)
+        return self._agents[node]
+
+    def close(self) -> None:
+        for agent in self._agents.values():
+            ray.kill(agent)
+        self._agents.clear()
+
+    def record(self, event: FaultEvent) -> FaultEvent:
+        event.number = len(self.events)
+        self.events.append(event)
+        return event
+
+    # -- targets -------------------------------------------------------------------------------
+
+    def pick(self, target: Target, roles: list[Role] | None = None) -> Worker:
+        """The worker ``target`` names, or one drawn from those it matches."""
+        if target.name is not None:
+            if target.name not in self.workers:
+                raise InjectError(f"no worker named {target.name!r} (have {sorted(self.workers)})")
+            return self.workers[target.name]
+        matching = [
+            w
+            for w in self.workers.values()
+            if (target.role is None or w.role is target.role)
+            and (target.domain is None or w.domain == target.domain)
+            and (roles is None or w.role in roles)
+        ]
+        if not matching:
+            raise InjectError(f"no worker matches {target.model_dump(exclude_none=True)}")
+        return self.rng.choice(sorted(matching, key=lambda w: w.name))
+
+    @staticmethod
+    async def whereabouts(handle: Any, timeout_s: float = CALL_TIMEOUT_S) -> tuple[str, int]:
+        """(node id, pid) of an actor's process; it may be restarting: asked until it answers."""
+        until = time.time() + timeout_s
+        while True:
+            try:
+                ref = handle.__ray_call__.remote(_whereabouts)
+                node, pid = await asyncio.wait_for(ref, timeout=max(0.1, until - time.time()))
+                return str(node), int(pid)
+            except Exception as exc:
+                if time.time() >= until:
+                    raise InjectError(f"the actor did not answer within {timeout_s} s") from exc
+                await asyncio.sleep(0.2)
+
+    async def send(self, node: str, pid: int, signum: int) -> float:
+        """Signal ``pid`` on ``node``; when it was sent (the node's clock)."""
+        return float(await (await self.agent(node)).signal.remote(pid, signum))
+
+    async def _kill(self, handle: Any) -> float:
+        node, pid = await self.whereabouts(handle)
+        return await self.send(node, pid, signal.SIGKILL)
+
+    # -- faults --------------------------------------------------------------------------------
+
+    async def kill_worker(self, worker: Worker, kind: str = "kill_worker") -> FaultEvent:
+        event = FaultEvent(kind, await self._kill(worker.handle), [worker.name])
+        return self.record(event)
+
+    async def kill_at_phase(self, worker: Worker, phase: Phase, timeout_s: float) -> FaultEvent:
+        """Arm a crash at ``phase`` on ``worker``; the event's time is when its process died,
+        seen by a watcher on its node that runs before the crash is armed."""
+        point, count = PHASE_POINTS[phase]
+        node, pid = await self.whereabouts(worker.handle)
+        watch = (await self.agent(node)).wait_gone.remote(pid, timeout_s)
+        await asyncio.sleep(0.1)  # the watch has begun (the agent was ready)
+        await worker.handle.set_faults.remote(FaultPlan([Fault(point, FaultAction.CRASH, count)]))
+        died = await watch
+        if died is None:
+            await worker.handle.set_faults.remote(FaultPlan())
+            raise InjectError(f"{worker.name}: no request reached {phase} in {timeout_s:.0f} s")
+        return self.record(FaultEvent("kill_worker", died, [worker.name], detail=str(phase)))
+
+    async def hang_worker(self, worker: Worker, seconds: float) -> FaultEvent:
+        node, pid = await self.whereabouts(worker.handle)
+        await self.send(node, pid, signal.SIGSTOP)
+        event = FaultEvent("hang_worker", time.time(), [worker.name], detail=f"{seconds:g} s")
+        self.record(event)
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            await self.send(node, pid, signal.SIGCONT)
+            event.until = time.time()
+        return event
+
+    async def slow_worker(
+        self, worker: Worker, seconds: float, stopped_share: float, period_s: float
+    ) -> FaultEvent:
+        node, pid = await self.whereabouts(worker.handle)
+        agent = await self.agent(node)
+        event = self.record(
+            FaultEvent(
+                "slow_worker", time.time(), [worker.name], detail=f"stopped {stopped_share:.0%}"
+            )
+        )
+        await agent.throttle.remote(pid, seconds, stopped_share, period_s)
+        event.until = time.time()
+        return event
+
+    async def kv_fault(
+        self, worker: Worker, action: KVAction, transfers: int, stall_s: float
+    ) -> FaultEvent:
+        """The next ``transfers`` KV streams ``worker`` sends are spoiled at their first layer;
+        returns once they all were (the event lasts from arming to then)."""
+        faults = [
+            Fault(FaultPoint.TRANSFER_CHUNK, KV_ACTIONS[action], at=1, seconds=stall_s)
+            for _ in range(transfers)
+        ]
+        await worker.handle.set_faults.remote(FaultPlan(faults))
+        event = FaultEvent("kv_fault", time.time(), [worker.name], detail=f"{action} x{transfers}")
+        self.record(event)
+        while await worker.handle.faults_pending.remote():
+            await asyncio.sleep(0.1)
+        event.until = time.time()
+        return event
+
+    async def kill_router(self) -> FaultEvent:
+        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        event = FaultEvent("kill_router", await self._kill(router), everyone=True)
+        return self.record(event)
+
+    async def kill_ingress(self) -> FaultEvent:
+        """SIGKILL one Serve replica of Tandem's ingress (Serve starts another)."""
+        replicas = [
+            a
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith("SERVE_REPLICA::tandem#")
+        ]
+        if not replicas:
+            raise InjectError("no ingress replica of the `tandem` Serve application")
+        chosen = self.rng.choice(sorted(replicas, key=lambda a: str(a["name"])))
+        handle = ray.get_actor(chosen["name"], namespace=chosen["namespace"])
+        event = FaultEvent("kill_ingress", await self._kill(handle), everyone=True)
+        return self.record(event)

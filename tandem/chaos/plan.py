@@ -1,0 +1,297 @@
+"""A chaos plan: the load to send, the faults to inject while it runs, and the thresholds the
+run is judged by. One YAML file, validated here; every error names the file and the field.
+
+    name: smoke
+    load:
+      arrivals: {process: poisson, rate: 4, duration_s: 60}
+      sampling: [{weight: 1}, {weight: 1, temperature: 0.8, top_p: 0.95, seed: true}]
+    faults:
+      - {kind: kill_worker, at_s: 15, target: {role: decode}}
+      - {kind: kv_fault, at_s: 30, action: corrupt, target: {role: prefill}}
+    checks: {max_hung: 0}
+
+Times are seconds from the first request's scheduled send. Where a fault names a request
+phase (``phase``) rather than only a time, it is armed at ``at_s`` and fires when the next
+request on its worker reaches that phase.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from contracts.roles import Role
+from tandem.topology import parse_yaml
+
+PLANS_DIR = Path(__file__).resolve().parents[2] / "deploy" / "chaos"
+
+
+class PlanError(ValueError):
+    """A plan file that cannot be read or does not validate; the message names the field."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+# -- the load ----------------------------------------------------------------------------------
+
+
+class Arrivals(_Section):
+    process: Literal["poisson", "gamma", "trace"] = Field(
+        "poisson",
+        description="open-loop inter-arrival times: exponential (poisson), gamma with shape "
+        "`burstiness` (bursty below 1), or a trace's timestamps",
+    )
+    rate: float = Field(2.0, gt=0, description="mean requests per second (poisson, gamma)")
+    burstiness: float = Field(1.0, gt=0, description="gamma shape; 1 is a Poisson process")
+    duration_s: float = Field(60.0, gt=0, le=24 * 3600, description="how long requests are sent")
+    trace: Path | None = Field(
+        None,
+        description="JSONL of {timestamp (ms), input_length, output_length} (the Mooncake "
+        "format): send times and lengths replayed, lengths capped by `prompts`",
+    )
+    trace_speedup: float = Field(1.0, gt=0, description="trace time divided by this")
+    max_requests: int = Field(10_000, ge=1, description="a bound on the requests of one run")
+
+    @model_validator(mode="after")
+    def _trace_named(self) -> Arrivals:
+        if (self.process == "trace") != (self.trace is not None):
+            raise ValueError("process: trace needs a trace file, and a trace file needs it")
+        return self
+
+
+class Prompts(_Section):
+    words: tuple[int, int] = Field(
+        (8, 48), description="prompt length in words (min, max), uniform; one word ~1-2 tokens"
+    )
+    output_tokens: tuple[int, int] = Field((16, 48), description="max_tokens (min, max), uniform")
+    shared_prefix_groups: int = Field(
+        0, ge=0, description="requests draw one of this many shared prefixes (0: none)"
+    )
+    shared_prefix_words: int = Field(24, ge=1, description="length of each shared prefix")
+    tenants: int = Field(1, ge=1, description="requests spread over this many tenants (API keys)")
+
+    @model_validator(mode="after")
+    def _ranges(self) -> Prompts:
+        for name in ("words", "output_tokens"):
+            low, high = getattr(self, name)
+            if not 1 <= low <= high:
+                raise ValueError(f"{name}: ({low}, {high}) must be 1 <= min <= max")
+        return self
+
+
+class Sampling(_Section):
+    """One kind of request in the mix."""
+
+    weight: float = Field(1.0, gt=0, description="relative share of requests of this kind")
+    temperature: float = Field(0.0, ge=0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: bool = Field(False, description="send a per-request seed (reproducible sampling)")
+    stop: list[str] = Field(default_factory=list, description="stop strings")
+    n: int = Field(1, ge=1, le=8, description="choices per request")
+
+
+class Cancel(_Section):
+    fraction: float = Field(0.0, ge=0, le=1, description="share of streams the client drops")
+    after_tokens: tuple[int, int] = Field(
+        (1, 8), description="the client hangs up after this many tokens (min, max), uniform"
+    )
+
+
+class Load(_Section):
+    arrivals: Arrivals = Field(default_factory=Arrivals)
+    prompts: Prompts = Field(default_factory=Prompts)
+    sampling: list[Sampling] = Field(default_factory=lambda: [Sampling()], min_length=1)
+    stream_fraction: float = Field(1.0, ge=0, le=1, description="share of streaming requests")
+    cancel: Cancel = Field(default_factory=Cancel)
+    deadline_s: float | None = Field(
+        None, gt=0, description="each request's X-Request-Timeout; None: no deadline"
+    )
+    seed: int = Field(0, description="seeds the schedule, the prompts and the fault targets")
+
+
+# -- the faults --------------------------------------------------------------------------------
+
+
+class Target(_Section):
+    """Which worker a fault hits: by name, else one (drawn with the plan's seed) of those
+    matching role and domain."""
+
+    name: str | None = Field(None, description="a worker name, e.g. decode-0")
+    role: Role | None = Field(None, description="prefill, decode or colocated")
+    domain: str | None = Field(None, description="a failure domain of the topology")
+
+
+class Phase(StrEnum):
+    """Where in a request's life a worker fault fires (armed at ``at_s``; the next request
+    on the worker to get there meets it)."""
+
+    MID_PREFILL = "mid_prefill"  # the prefill worker, half-way through a prompt's layers
+    MID_TRANSFER = "mid_transfer"  # the prefill worker, between KV chunks it sends
+    FIRST_TOKEN = "first_token"  # the decode worker, at a request's first decode token
+    MID_DECODE = "mid_decode"  # the decode worker, eight tokens into a request
+
+
+class _Timed(_Section):
+    at_s: float = Field(ge=0, description="seconds after the first request's send time")
+
+
+class KillWorker(_Timed):
+    kind: Literal["kill_worker"]
+    target: Target = Field(default_factory=Target)
+    phase: Phase | None = Field(None, description="fire at this request phase (else at once)")
+
+
+class HangWorker(_Timed):
+    kind: Literal["hang_worker"]
+    target: Target = Field(default_factory=Target)
+    duration_s: float = Field(8.0, gt=0, description="SIGSTOP, then SIGCONT after this long")
+
+
+class SlowWorker(_Timed):
+    """A worker on a starved machine: its process is stopped for ``stopped_share`` of every
+    ``period_s`` (SIGSTOP / SIGCONT), so its steps and heartbeats run that much slower."""
+
+    kind: Literal["slow_worker"]
+    target: Target = Field(default_factory=Target)
+    duration_s: float = Field(10.0, gt=0)
+    stopped_share: float = Field(0.5, gt=0, lt=1)
+    period_s: float = Field(0.1, gt=0, le=1)
+
+
+class KVAction(StrEnum):
+    CORRUPT = "corrupt"  # one byte of a chunk flipped, checksums as they were
+    TRUNCATE = "truncate"  # half a chunk sent
+    DROP = "drop"  # a chunk skipped
+    STALL = "stall"  # the sender stops between chunks for `stall_s`
+
+
+class KVFault(_Timed):
+    kind: Literal["kv_fault"]
+    action: KVAction
+    target: Target = Field(default_factory=lambda: Target(role=Role.PREFILL))
+    transfers: int = Field(1, ge=1, le=100, description="how many transfers it spoils")
+    stall_s: float = Field(2.0, gt=0)
+
+
+class KillRouter(_Timed):
+    kind: Literal["kill_router"]
+
+
+class KillIngress(_Timed):
+    kind: Literal["kill_ingress"]
+
+
+class AbortStorm(_Timed):
+    kind: Literal["abort_storm"]
+    fraction: float = Field(0.5, gt=0, le=1, description="share of open streams dropped at once")
+
+
+class CancelRace(_Timed):
+    """A client hangs up while its decode worker dies: both ends race to free its KV."""
+
+    kind: Literal["cancel_race"]
+    target: Target = Field(default_factory=lambda: Target(role=Role.DECODE))
+    streams: int = Field(2, ge=1, description="streams on the worker dropped as it is killed")
+
+
+class Churn(_Timed):
+    kind: Literal["churn"]
+    every_s: float = Field(30.0, gt=0, description="one random worker killed this often")
+    for_s: float = Field(600.0, gt=0, description="from at_s, for this long")
+    roles: list[Role] = Field(default_factory=lambda: [Role.PREFILL, Role.DECODE])
+
+
+class HostFault(_Timed):
+    """Test bed only (``--testbed``): a whole host."""
+
+    kind: Literal["kill_host", "partition_host"]
+    host: int = Field(ge=0, description="the bed host's index (0 is the head)")
+    duration_s: float = Field(8.0, gt=0, description="until healed / revived")
+
+
+class LoseDomain(_Timed):
+    kind: Literal["lose_domain"]
+    domain: str
+
+
+Fault = Annotated[
+    KillWorker
+    | HangWorker
+    | SlowWorker
+    | KVFault
+    | KillRouter
+    | KillIngress
+    | AbortStorm
+    | CancelRace
+    | Churn
+    | HostFault
+    | LoseDomain,
+    Field(discriminator="kind"),
+]
+
+
+# -- the verdict -------------------------------------------------------------------------------
+
+
+class Checks(_Section):
+    max_hung: int = Field(0, ge=0, description="requests still open after deadline + hang_bound")
+    hang_bound_s: float = Field(
+        60.0, gt=0, description="a request must end within its deadline (else its send) + this"
+    )
+    max_mismatches: int = Field(0, ge=0, description="outputs unequal to the reference engine's")
+    max_leaked_blocks: int = Field(0, ge=0, description="KV blocks not back in a pool after")
+    min_non_targeted_success: float = Field(
+        0.999, ge=0, le=1, description="success share of requests no fault touched"
+    )
+    max_detect_kill_s: float = Field(1.0, gt=0, description="a killed process marked FAILED")
+    max_detect_hang_margin_s: float = Field(
+        1.0, gt=0, description="a hung worker marked FAILED within heartbeat timeout + this"
+    )
+    max_stranded_s: float = Field(
+        1.0, gt=0, description="KV held for a dead peer, in block-seconds per block"
+    )
+    max_recovery_s: float | None = Field(
+        None, gt=0, description="throughput and p99 TTFT back within 10% of the steady window"
+    )
+    settle_s: float = Field(
+        60.0, gt=0, description="after the load: how long pools may take to return to baseline"
+    )
+
+
+class ChaosPlan(_Section):
+    name: str = Field(min_length=1)
+    description: str = ""
+    load: Load = Field(default_factory=Load)
+    faults: list[Fault] = Field(default_factory=list)
+    checks: Checks = Field(default_factory=Checks)
+    testbed: bool = Field(False, description="needs a test bed (host faults): run with --testbed")
+
+    @model_validator(mode="after")
+    def _host_faults_need_a_bed(self) -> ChaosPlan:
+        for i, fault in enumerate(self.faults):
+            if isinstance(fault, HostFault | LoseDomain) and not self.testbed:
+                raise ValueError(f"faults.{i}: {fault.kind} needs `testbed: true`")
+        return self
+
+
+def load_plan(path: str | Path) -> ChaosPlan:
+    """Read and validate a plan file; a name without a path is a shipped plan
+    (``deploy/chaos/NAME.yaml``). Raises PlanError naming the file and field."""
+    file = Path(path)
+    if not file.exists() and (PLANS_DIR / f"{path}.yaml").exists():
+        file = PLANS_DIR / f"{path}.yaml"
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"{path}: cannot read plan file: {exc.strerror}") from exc
+    return parse_yaml(ChaosPlan, text, str(file), PlanError)
+
+
+def shipped_plans() -> list[tuple[str, ChaosPlan]]:
+    """The plans in ``deploy/chaos/``, by name."""
+    return [(f.stem, load_plan(f)) for f in sorted(PLANS_DIR.glob("*.yaml"))]

@@ -1,0 +1,517 @@
+"""One chaos run: the plan's load sent to a live Tandem while its faults are done to the
+cluster, then every check (docs/design.md#chaos).
+
+::
+
+    baseline: every worker idle ── load (open loop) ─────────────────────┐ settle: every pool
+                                   faults at their times ──> FaultEvents  │ back to baseline
+    router's decisions and health log, polled ───────────────────────────┘ records, reference
+                                                                              └─> Summary
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import Any
+
+import ray
+
+from contracts.actors import NAMESPACE, ROUTER_NAME
+from tandem.chaos import verdict as v
+from tandem.chaos.inject import FaultEvent, InjectError, Injector, Worker
+from tandem.chaos.load import Outcome, Planned, Sender, schedule
+from tandem.chaos.plan import (
+    AbortStorm,
+    CancelRace,
+    ChaosPlan,
+    Churn,
+    HangWorker,
+    KillIngress,
+    KillRouter,
+    KillWorker,
+    KVFault,
+    SlowWorker,
+    Target,
+)
+from tandem.chaos.reference import Expected, expected, reference_engine
+from tandem.launch import model_dir_of
+from tandem.topology import Topology
+
+Say = Callable[[str], None]
+POLL_S = 0.5
+WARMUP_S = 5.0  # the first seconds of load are not a steady window
+RACE_WAIT_S = 10.0  # a cancel race waits this long for a stream on its worker
+KILLS = ("kill_worker", "churn", "cancel_race")
+
+
+class ChaosRun:
+    """Runs ``plan`` against the Tandem serving ``url`` (Ray already initialised, joined to
+    its cluster), started from ``topology``."""
+
+    def __init__(self, plan: ChaosPlan, topology: Topology, url: str, say: Say) -> None:
+        self.plan = plan
+        self.topology = topology
+        self.url = url
+        self.say = say
+        self.router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        self.workers = [
+            Worker(s.name, s.role, s.domain, ray.get_actor(s.name, namespace=NAMESPACE))
+            for s in topology.workers()
+        ]
+        self.injector = Injector(self.workers, plan.load.seed)
+        self.sender = Sender(
+            url, topology.model.name, plan.checks.hang_bound_s, plan.load.deadline_s
+        )
+        self.attempts: dict[str, v.Attempt] = {}
+        self.inject_errors: list[str] = []
+        self.health: list[dict[str, Any]] = []
+
+    # -- the run -------------------------------------------------------------------------------
+
+    async def run(self) -> v.Summary:
+        await self._all_idle("before the run")
+        requests_before = _requests_total(self.url)
+        plan = schedule(self.plan.load)
+        self.say(
+            f"{len(plan)} requests over {self.plan.load.arrivals.duration_s:g} s, "
+            f"{len(self.plan.faults)} faults"
+        )
+        start = time.time() + 1.0
+        poller = asyncio.create_task(self._poll_decisions())
+        progress = asyncio.create_task(self._progress(start, len(plan)))
+        faults = [asyncio.create_task(self._fault(f, start)) for f in self.plan.faults]
+        await self.sender.run(plan, start)
+        load_end = time.time()
+        for task in faults:  # a fault still going (churn, a phase nobody reached) ends here
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*faults, return_exceptions=True)
+        self.injector.close()
+        progress.cancel()
+        self.say("load done; waiting for every pool to return to its baseline")
+        leaks = await self._settle()
+        poller.cancel()
+        await asyncio.gather(poller, progress, return_exceptions=True)
+        await self._read_decisions()
+        self.health = await _ask(self.router.health_events.remote(), [])
+        records = await self._records()
+        requests_after = _requests_total(self.url)
+        self.say("computing the fault-free reference")
+        outcomes = [self.sender.outcomes[p.index] for p in plan]
+        answers = self._reference(plan, outcomes)
+        return self._summary(
+            plan,
+            outcomes,
+            answers,
+            start,
+            load_end,
+            leaks,
+            records,
+            (requests_before, requests_after),
+        )
+
+    async def _fault(self, fault: Any, start: float) -> None:
+        await asyncio.sleep(max(0.0, start + fault.at_s - time.time()))
+        inj = self.injector
+        try:
+            if isinstance(fault, KillWorker):
+                worker = inj.pick(fault.target)
+                if fault.phase is None:
+                    event = await inj.kill_worker(worker)
+                else:
+                    rest = start + self.plan.load.arrivals.duration_s - time.time()
+                    event = await inj.kill_at_phase(worker, fault.phase, max(rest, 5.0))
+            elif isinstance(fault, HangWorker):
+                event = await inj.hang_worker(inj.pick(fault.target), fault.duration_s)
+            elif isinstance(fault, SlowWorker):
+                event = await inj.slow_worker(
+                    inj.pick(fault.target), fault.duration_s, fault.stopped_share, fault.period_s
+                )
+            elif isinstance(fault, KVFault):
+                event = await inj.kv_fault(
+                    inj.pick(fault.target), fault.action, fault.transfers, fault.stall_s
+                )
+            elif isinstance(fault, KillRouter):
+                event = await inj.kill_router()
+            elif isinstance(fault, KillIngress):
+                event = await inj.kill_ingress()
+            elif isinstance(fault, AbortStorm):
+                event = self._abort_storm(fault.fraction)
+            elif isinstance(fault, CancelRace):
+                event = await self._cancel_race(fault)
+            elif isinstance(fault, Churn):
+                await self._churn(fault)
+                return
+            else:
+                raise InjectError(f"{fault.kind} needs a test bed (--testbed)")
+            self.say(f"fault: {event.kind} {' '.join(event.workers)} {event.detail}".rstrip())
+        except InjectError as exc:
+            self.inject_errors.append(f"{fault.kind} at {fault.at_s:g} s: {exc}")
+            self.say(f"fault not done: {fault.kind}: {exc}")
+        except Exception as exc:  # a bug, or the cluster refusing: the run says so
+            self.inject_errors.append(f"{fault.kind} at {fault.at_s:g} s: {exc!r}")
+            self.say(f"fault failed: {fault.kind}: {exc!r}")
+        except asyncio.CancelledError:  # the load ended first (churn: its period did)
+            if not isinstance(fault, Churn):
+                why = "armed, but nothing reached it before the load ended"
+                self.inject_errors.append(f"{fault.kind} at {fault.at_s:g} s: {why}")
+            raise
+
+    def _abort_storm(self, fraction: float) -> FaultEvent:
+        open_now = sorted(self.sender.open)
+        dropped = self.injector.rng.sample(open_now, math.ceil(fraction * len(open_now)))
+        self.sender.drop(dropped)
+        event = FaultEvent(
+            "abort_storm", time.time(), everyone=True, detail=f"{len(dropped)} of {len(open_now)}"
+        )
+        return self.injector.record(event)
+
+    async def _cancel_race(self, fault: CancelRace) -> FaultEvent:
+        """Drop up to ``streams`` open streams decoding on the target as it is killed (waiting
+        up to RACE_WAIT_S for one to be there)."""
+        worker = self.injector.pick(fault.target)
+        until = time.time() + RACE_WAIT_S
+        while True:
+            await self._read_decisions()
+            on_it = [i for i in sorted(self.sender.open) if self._decoding_on(i, worker.name)]
+            if on_it or time.time() >= until:
+                break
+            await asyncio.sleep(0.05)
+        self.sender.drop(on_it[: fault.streams])
+        event = await self.injector.kill_worker(worker, kind="cancel_race")
+        event.detail = f"{len(on_it[: fault.streams])} streams dropped"
+        return event
+
+    def _decoding_on(self, index: int, worker: str) -> bool:
+        """Whether request ``index``'s latest attempt decodes on ``worker``."""
+        attempts = self._attempts_of(self.sender.outcomes[index].response_id)
+        return bool(attempts) and attempts[-1].decode == worker
+
+    async def _churn(self, fault: Churn) -> None:
+        until = time.time() + fault.for_s
+        while time.time() < until:
+            worker = self.injector.pick(Target(), roles=fault.roles)
+            try:
+                event = await self.injector.kill_worker(worker, kind="churn")
+                self.say(f"churn: killed {worker.name}")
+            except InjectError as exc:  # still restarting from the last kill
+                self.inject_errors.append(f"churn: {exc}")
+                continue
+            await asyncio.sleep(max(0.0, event.at + fault.every_s - time.time()))
+
+    async def _progress(self, start: float, total: int) -> None:
+        while True:
+            await asyncio.sleep(5.0)
+            states = Counter(o.status for o in self.sender.outcomes.values())
+            self.say(
+                f"t={time.time() - start:5.1f} s  sent {len(self.sender.outcomes)}/{total}  "
+                + "  ".join(f"{k} {n}" for k, n in sorted(states.items()))
+            )
+
+    # -- what the cluster says -----------------------------------------------------------------
+
+    async def _poll_decisions(self) -> None:
+        while True:
+            await self._read_decisions()
+            await asyncio.sleep(POLL_S)
+
+    async def _read_decisions(self) -> None:
+        for line in await _ask(self.router.decisions.remote(), []):
+            self.attempts[line["request_id"]] = v.Attempt(
+                line["request_id"], line["prefill"], line["decode"]
+            )
+
+    def _attempts_of(self, response_id: str | None) -> list[v.Attempt]:
+        if response_id is None:
+            return []
+        return [a for a in self.attempts.values() if v.response_of(a.attempt_id) == response_id]
+
+    async def _all_idle(self, when: str) -> None:
+        leaks = await self._check_idle(60.0)
+        if leaks:
+            raise RuntimeError(f"the cluster is not idle {when}: {leaks}")
+
+    async def _check_idle(self, timeout_s: float) -> dict[str, str]:
+        """Each worker's leak check (nothing running, every pool at its baseline, no lease
+        held), retried until ``timeout_s``; the workers that still fail it, and why."""
+        until = time.time() + timeout_s
+        leaks: dict[str, str] = {}
+        for w in self.workers:
+            while True:
+                try:
+                    left = max(1.0, until - time.time())
+                    await asyncio.wait_for(w.handle.check_idle.remote(), timeout=left)
+                    leaks.pop(w.name, None)
+                    break
+                except Exception as exc:
+                    leaks[w.name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    if time.time() >= until:
+                        break
+                    await asyncio.sleep(1.0)
+        return leaks
+
+    async def _settle(self) -> dict[str, str]:
+        return await self._check_idle(self.plan.checks.settle_s)
+
+    async def _records(self) -> dict[str, list[dict[str, Any]]]:
+        out = {}
+        for w in self.workers:
+            rows = await _ask(w.handle.records.remote(), [])
+            out[w.name] = [{**asdict(r), "status": r.status.value} for r in rows]
+        return out
+
+    def _reference(self, plan: list[Any], outcomes: list[Outcome]) -> list[list[Any]]:
+        engine = reference_engine(self.topology, model_dir_of(self.topology))
+        return expected(engine, [(p.body, o.seed) for p, o in zip(plan, outcomes, strict=True)])
+
+    # -- the verdict ---------------------------------------------------------------------------
+
+    def _summary(
+        self,
+        plan: list[Planned],
+        outcomes: list[Outcome],
+        answers: list[list[Expected]],
+        start: float,
+        load_end: float,
+        leaks: dict[str, str],
+        records: dict[str, list[dict[str, Any]]],
+        requests_total: tuple[float | None, float | None],
+    ) -> v.Summary:
+        events = self._events(load_end)
+        rows: list[dict[str, Any]] = []
+        for p, o, want in zip(plan, outcomes, answers, strict=True):
+            attempts = self._attempts_of(o.response_id)
+            why = v.mismatch(o, want) if o.status in ("ok", "cancelled", "error") else None
+            rows.append(
+                {
+                    "index": o.index,
+                    "status": o.status,
+                    "planned_cancel": p.cancel_after is not None,
+                    "storm": o.storm,
+                    "http": o.http_status,
+                    "error_type": o.error_type,
+                    "error": o.error,
+                    "response_id": o.response_id,
+                    "ttft_s": None if o.first_token is None else o.first_token - o.scheduled,
+                    "tokens": o.num_tokens,
+                    "attempts": [[a.prefill, a.decode] for a in attempts],
+                    "touched": v.touched_by(o, attempts, events),
+                    "mismatch": why,
+                }
+            )
+        faults = self._fault_rows(events, outcomes, rows, start, load_end)
+        checks = self._checks(plan, outcomes, rows, faults, events, leaks, records, requests_total)
+        strand = v.stranded(events, self.attempts, records, self._block_size())
+        counts = dict(Counter(o.status for o in outcomes))
+        judged = [r for r in rows if not r["planned_cancel"] and not r["storm"]]
+        counts.update(
+            requests=len(outcomes),
+            touched=sum(bool(r["touched"]) for r in rows),
+            planned_cancels=sum(r["planned_cancel"] for r in rows),
+            storm_dropped=sum(r["storm"] for r in rows),
+            mismatched=sum(r["mismatch"] is not None for r in rows),
+            non_targeted=sum(not r["touched"] for r in judged),
+            non_targeted_ok=sum(not r["touched"] and r["status"] == "ok" for r in judged),
+            tokens=sum(o.num_tokens for o in outcomes),
+        )
+        bad = [r for r in rows if r["status"] in ("error", "hung") or r["mismatch"]]
+        return v.Summary(
+            plan=self.plan.name,
+            verdict=all(ch.passed for ch in checks),
+            checks=checks,
+            faults=faults,
+            counts=counts,
+            stranded={
+                "attempts": strand.attempts,
+                "block_seconds": strand.block_seconds,
+                "per_block_s": strand.per_block_s,
+                "worst_s": strand.worst_s,
+            },
+            max_dispatch_delay_s=self.sender.max_dispatch_delay_s,
+            timeline=v.timeline(outcomes, start, max(load_end, start + 1.0)),
+            failures=bad[:50],
+            requests=rows,
+            health=[{**h, "t": h["at"] - start} for h in self.health],
+        )
+
+    def _events(self, load_end: float) -> list[FaultEvent]:
+        """The faults done, in order; a worker fault lasts until the router had the worker up
+        again (or the load's end)."""
+        events = sorted(self.injector.events, key=lambda e: e.at)
+        for e in events:
+            if e.workers and e.until is None:
+                ups = [
+                    h["at"]
+                    for h in self.health
+                    if h["event"] == "up" and h["worker"] in e.workers and h["at"] > e.at
+                ]
+                e.until = min(ups) if ups else load_end
+        return events
+
+    def _block_size(self) -> int:
+        return min(p.engine.block_size for p in self.topology.pools.by_role().values())
+
+    def _fault_rows(
+        self,
+        events: list[FaultEvent],
+        outcomes: list[Outcome],
+        rows: list[dict[str, Any]],
+        start: float,
+        load_end: float,
+    ) -> list[v.FaultRow]:
+        out = []
+        for e in events:
+            steady, recovered = v.recovery_s(outcomes, e.at, start + WARMUP_S, load_end)
+            tag = v.fault_tag(e)
+            hit = [r for r in rows if tag in r["touched"]]
+            out.append(
+                v.FaultRow(
+                    kind=e.kind,
+                    at_s=e.at - start,
+                    workers=e.workers,
+                    detail=e.detail,
+                    detect_s=v.detection_s(e, self.health) if e.workers else None,
+                    recovery_s=recovered,
+                    steady_tokens_per_s=steady.tokens_per_s,
+                    steady_ttft_p99=steady.ttft_p99,
+                    touched=len(hit),
+                    touched_ok=sum(r["status"] == "ok" for r in hit),
+                )
+            )
+        return out
+
+    def _checks(
+        self,
+        plan: list[Planned],
+        outcomes: list[Outcome],
+        rows: list[dict[str, Any]],
+        faults: list[v.FaultRow],
+        events: list[FaultEvent],
+        leaks: dict[str, str],
+        records: dict[str, list[dict[str, Any]]],
+        requests_total: tuple[float | None, float | None],
+    ) -> list[v.Check]:
+        c = self.plan.checks
+        hung = sum(r["status"] == "hung" for r in rows)
+        mismatched = sum(r["mismatch"] is not None for r in rows)
+        untyped = sum(r["status"] == "error" and r["error_type"] is None for r in rows)
+        judged = [r for r in rows if not r["planned_cancel"] and not r["storm"]]
+        clean = [r for r in judged if not r["touched"]]
+        clean_ok = sum(r["status"] == "ok" for r in clean)
+        success = clean_ok / len(clean) if clean else 1.0
+        heartbeat = self.topology.heartbeat_timeout_s
+        late = []
+        for f in faults:
+            limit = {"hang_worker": heartbeat + c.max_detect_hang_margin_s}.get(
+                f.kind, c.max_detect_kill_s if f.kind in KILLS else None
+            )
+            if limit is not None and (f.detect_s is None or f.detect_s > limit):
+                late.append(f"{f.kind} {' '.join(f.workers)}: {f.detect_s}")
+        worst = max((f.detect_s for f in faults if f.detect_s is not None), default=0.0)
+        repeated = sum(
+            n > 1
+            for rows_ in records.values()
+            for n in Counter(r["request_id"] for r in rows_).values()
+        )
+        strand = v.stranded(events, self.attempts, records, self._block_size())
+        checks = [
+            v.Check("no request hung", hung <= c.max_hung, f"{hung} hung", f"<= {c.max_hung}"),
+            v.Check(
+                "outputs equal the reference",
+                mismatched <= c.max_mismatches,
+                f"{mismatched} mismatched",
+                f"<= {c.max_mismatches}",
+            ),
+            v.Check("every error is typed", not untyped, f"{untyped} untyped", "0"),
+            v.Check(
+                "pools and leases back to baseline",
+                not leaks,
+                f"{len(leaks)} workers not at baseline" + (f": {leaks}" if leaks else ""),
+                f"within {c.settle_s:g} s",
+            ),
+            v.Check(
+                "one terminal record per attempt on each worker",
+                not repeated,
+                f"{repeated} repeated",
+                "0",
+            ),
+            v.Check(
+                "non-targeted requests succeed",
+                success >= c.min_non_targeted_success,
+                f"{clean_ok}/{len(clean)} = {success:.4f}",
+                f">= {c.min_non_targeted_success}",
+            ),
+            v.Check(
+                "faults detected in time",
+                not late,
+                f"worst {worst:.2f} s" + (f"; late: {late}" if late else ""),
+                f"kill <= {c.max_detect_kill_s:g} s, "
+                f"hang <= {heartbeat:g} + {c.max_detect_hang_margin_s:g} s",
+            ),
+            v.Check(
+                "KV held for a dead peer",
+                strand.worst_s <= c.max_stranded_s,
+                f"{strand.attempts} attempts, {strand.block_seconds:.1f} block-s, "
+                f"worst {strand.worst_s:.2f} s",
+                f"<= {c.max_stranded_s:g} s per block",
+            ),
+            v.Check(
+                "every fault was done",
+                not self.inject_errors,
+                "; ".join(self.inject_errors) or f"{len(events)} done",
+                "all",
+            ),
+        ]
+        before, after = requests_total
+        if (
+            before is not None
+            and after is not None
+            and not any(
+                e.kind == "kill_ingress"
+                for e in events  # its counters died with it
+            )
+        ):
+            sent = sum(p.body.get("n", 1) for p, o in zip(plan, outcomes, strict=True) if o.sent)
+            checks.append(
+                v.Check(
+                    "one client record per choice sent (ingress)",
+                    after - before == sent,
+                    f"{after - before:.0f} records for {sent} choices",
+                    "equal",
+                )
+            )
+        if c.max_recovery_s is not None:
+            times = [f.recovery_s for f in faults]
+            ok = all(t is not None and t <= c.max_recovery_s for t in times)
+            checks.append(
+                v.Check("recovered in time", ok, str(times), f"<= {c.max_recovery_s:g} s")
+            )
+        return checks
+
+
+async def _ask(ref: Any, default: Any, timeout_s: float = 10.0) -> Any:
+    """An actor call's answer, or ``default`` when the actor does not answer in time."""
+    try:
+        return await asyncio.wait_for(ref, timeout=timeout_s)
+    except Exception:
+        return default
+
+
+def _requests_total(url: str) -> float | None:
+    """The sum of the ingress's ``tandem_requests_total`` (every client record)."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
+            text = reply.read().decode()
+    except OSError:
+        return None
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("tandem_requests_total{")
+    )

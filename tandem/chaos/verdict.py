@@ -1,0 +1,262 @@
+"""What a chaos run's records come to: per-request verdicts against the reference, which
+requests a fault touched, the timeline, detection, recovery and stranded KV. Plain functions
+over plain data (no Ray, no HTTP), so each rule is tested on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from tandem.chaos.inject import FaultEvent
+from tandem.chaos.load import Outcome, percentile
+from tandem.chaos.reference import Expected
+
+STEADY_WINDOW_S = 10.0  # before a fault: what "steady" is measured over
+RECOVERY_WINDOW_S = 5.0  # after it: each window judged against steady
+RECOVERY_TOLERANCE = 0.10  # throughput and p99 TTFT back within 10%
+
+
+@dataclass
+class Attempt:
+    """One routed attempt, from the router's decision log."""
+
+    attempt_id: str
+    prefill: str | None
+    decode: str
+
+
+def response_of(attempt_id: str) -> str:
+    """The response id an attempt id belongs to: ``cmpl-X-0@2`` -> ``cmpl-X``."""
+    return attempt_id.rpartition("@")[0].rpartition("-")[0]
+
+
+def mismatch(outcome: Outcome, answers: list[Expected]) -> str | None:
+    """Why ``outcome`` differs from the reference (None: it does not). A complete request
+    must equal it; one cut short (cancelled, failed) must be a prefix of it — a duplicated,
+    missing or changed token shows either way."""
+    complete = outcome.status == "ok"
+    for index, want in enumerate(answers):
+        got = outcome.choices.get(index)
+        if got is None:
+            if complete:
+                return f"choice {index} missing"
+            continue
+        n = len(got.tokens)
+        if complete and n != len(want.tokens):
+            return f"choice {index}: {n} tokens, the reference has {len(want.tokens)}"
+        for name in ("tokens", "token_logprobs", "top_logprobs"):
+            mine, theirs = getattr(got, name), getattr(want, name)
+            if mine != theirs[:n]:
+                at = next(
+                    (i for i, (a, b) in enumerate(zip(mine, theirs, strict=False)) if a != b), n
+                )
+                return f"choice {index}: {name} differ from token {at}"
+        if complete and (got.text, got.finish_reason) != (want.text, want.finish_reason):
+            return f"choice {index}: text or finish_reason differ"
+        if not complete and not want.text.startswith(got.text):
+            return f"choice {index}: the text received is not a prefix of the reference"
+    return None
+
+
+def touched_by(outcome: Outcome, attempts: list[Attempt], events: list[FaultEvent]) -> list[str]:
+    """The faults that touched ``outcome``: one that hit everyone while it was open, or one
+    that hit a worker its attempts ran on while it was open (from the fault until the worker
+    was back: ``until``). A request whose routing is not
+    known (it failed before a response id) is touched by any fault while it was open."""
+    start, end = outcome.sent or outcome.scheduled, outcome.finished or math.inf
+    mine = {w for a in attempts for w in (a.prefill, a.decode) if w}
+    out = []
+    for e in events:
+        if not (start <= (e.until or e.at) and e.at <= end):
+            continue
+        if e.everyone or outcome.response_id is None or mine & set(e.workers):
+            out.append(fault_tag(e))
+    return out
+
+
+def fault_tag(event: FaultEvent) -> str:
+    """How a request's row names a fault that touched it: its kind and its number."""
+    return f"{event.kind}#{event.number}"
+
+
+@dataclass
+class Bin:
+    t: float  # seconds from the run's start
+    tokens_per_s: float
+    requests: int  # first tokens in this second
+    errors: int
+    ttft_p50: float | None
+    ttft_p99: float | None
+
+
+def timeline(outcomes: list[Outcome], start: float, end: float, width_s: float = 1.0) -> list[Bin]:
+    """Per ``width_s`` bin: tokens received, errors and TTFT (from the scheduled send, so a
+    client that fell behind does not hide queueing) of requests whose first token came in it."""
+    n = max(1, math.ceil((end - start) / width_s))
+    tokens = [0] * n
+    errors = [0] * n
+    ttfts: list[list[float]] = [[] for _ in range(n)]
+
+    def at(t: float) -> int:
+        return min(n - 1, max(0, int((t - start) / width_s)))
+
+    for o in outcomes:
+        for when, count in o.token_times:
+            tokens[at(when)] += count
+        if o.status in ("error", "hung") and o.finished is not None:
+            errors[at(o.finished)] += 1
+        if o.first_token is not None:
+            ttfts[at(o.first_token)].append(o.first_token - o.scheduled)
+    return [
+        Bin(
+            t=i * width_s,
+            tokens_per_s=tokens[i] / width_s,
+            requests=len(ttfts[i]),
+            errors=errors[i],
+            ttft_p50=percentile(ttfts[i], 50),
+            ttft_p99=percentile(ttfts[i], 99),
+        )
+        for i in range(n)
+    ]
+
+
+@dataclass
+class Window:
+    tokens_per_s: float
+    ttft_p99: float | None
+    requests: int
+
+
+def window(outcomes: list[Outcome], start: float, end: float) -> Window:
+    tokens = sum(c for o in outcomes for when, c in o.token_times if start <= when < end)
+    ttfts = [
+        o.first_token - o.scheduled
+        for o in outcomes
+        if o.first_token is not None and start <= o.first_token < end
+    ]
+    return Window(tokens / max(end - start, 1e-9), percentile(ttfts, 99), len(ttfts))
+
+
+def recovery_s(
+    outcomes: list[Outcome], fault_at: float, not_before: float, load_end: float
+) -> tuple[Window, float | None]:
+    """The steady window before ``fault_at`` and the time from the fault until a
+    RECOVERY_WINDOW_S window has throughput >= 90% of steady and p99 TTFT <= 110% of steady
+    (stepping 0.5 s; None: not within the load)."""
+    steady = window(outcomes, max(not_before, fault_at - STEADY_WINDOW_S), fault_at)
+    t = fault_at
+    while t + RECOVERY_WINDOW_S <= load_end:
+        w = window(outcomes, t, t + RECOVERY_WINDOW_S)
+        fast = w.tokens_per_s >= (1 - RECOVERY_TOLERANCE) * steady.tokens_per_s
+        prompt = (
+            steady.ttft_p99 is None
+            or w.ttft_p99 is None
+            or w.ttft_p99 <= (1 + RECOVERY_TOLERANCE) * steady.ttft_p99
+        )
+        if fast and prompt:
+            return steady, t - fault_at
+        t += 0.5
+    return steady, None
+
+
+def detection_s(event: FaultEvent, health: list[dict[str, Any]]) -> float | None:
+    """Fault to the router's first FAILED mark of one of its workers (None: never marked).
+    A mark up to 50 ms before the fault's time counts as 0: a death is timed by polling the
+    process every 5 ms, and the router can learn of it first (its connection closes as the
+    process exits)."""
+    marks = [
+        h["at"]
+        for h in health
+        if h["event"] == "failed" and h["worker"] in event.workers and h["at"] >= event.at - 0.05
+    ]
+    return max(0.0, min(marks) - event.at) if marks else None
+
+
+@dataclass
+class Stranded:
+    """KV a surviving worker held for attempts whose peer died, after the death."""
+
+    attempts: int = 0
+    block_seconds: float = 0.0
+    blocks: int = 0
+    worst_s: float = 0.0  # the longest one attempt's blocks were held after the death
+
+    @property
+    def per_block_s(self) -> float:
+        return self.block_seconds / self.blocks if self.blocks else 0.0
+
+
+def stranded(
+    events: list[FaultEvent],
+    attempts: dict[str, Attempt],
+    records: dict[str, list[dict[str, Any]]],
+    block_size: int,
+) -> Stranded:
+    """From each worker's terminal records: attempts that ended unfinished on a survivor whose
+    peer (the other worker of the attempt) a kill took down while they ran, held from the kill
+    to their end."""
+    out = Stranded()
+    kills = [e for e in events if e.kind in ("kill_worker", "churn", "cancel_race")]
+    for worker, rows in records.items():
+        for r in rows:
+            if r["status"] == "finished" or r["request_id"] not in attempts:
+                continue
+            a = attempts[r["request_id"]]
+            peer = a.prefill if worker == a.decode else a.decode
+            for e in kills:
+                if peer in e.workers and worker not in e.workers and r["finished"] > e.at:
+                    if r["arrival"] > e.at:
+                        continue
+                    held = r["finished"] - e.at
+                    blocks = math.ceil((r["num_prompt_tokens"] + r["num_generated"]) / block_size)
+                    out.attempts += 1
+                    out.blocks += blocks
+                    out.block_seconds += blocks * held
+                    out.worst_s = max(out.worst_s, held)
+                    break
+    return out
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    measured: str
+    threshold: str
+
+
+@dataclass
+class FaultRow:
+    kind: str
+    at_s: float
+    workers: list[str]
+    detail: str
+    detect_s: float | None
+    recovery_s: float | None
+    steady_tokens_per_s: float
+    steady_ttft_p99: float | None
+    touched: int = 0
+    touched_ok: int = 0
+
+
+@dataclass
+class Summary:
+    plan: str
+    verdict: bool
+    checks: list[Check]
+    faults: list[FaultRow]
+    counts: dict[str, int]
+    stranded: dict[str, float]
+    max_dispatch_delay_s: float
+    timeline: list[Bin]
+    failures: list[dict[str, Any]] = field(default_factory=list)  # the first few, for people
+    requests: list[dict[str, Any]] = field(default_factory=list)  # one row per request
+    health: list[dict[str, Any]] = field(default_factory=list)  # the router's health log
+
+    def as_dict(self) -> dict[str, Any]:
+        """Everything but the per-request rows (``requests.jsonl``)."""
+        out = asdict(self)
+        del out["requests"]
+        return out

@@ -1,0 +1,181 @@
+"""The chaos run's rules over plain records: what counts as a mismatch, which requests a
+fault touched, detection, recovery and stranded KV."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.chaos.inject import FaultEvent
+from tandem.chaos.load import ChoiceOut, Outcome
+from tandem.chaos.reference import Expected
+from tandem.chaos.verdict import (
+    RECOVERY_WINDOW_S,
+    Attempt,
+    detection_s,
+    mismatch,
+    recovery_s,
+    response_of,
+    stranded,
+    timeline,
+    touched_by,
+)
+
+WANT = Expected(
+    text="a bc d",
+    tokens=["a", " bc", " d"],
+    token_logprobs=[-0.5, -1.25, -0.125],
+    top_logprobs=[{"a": -0.5}, {" bc": -1.25}, {" d": -0.125}],
+    finish_reason="length",
+)
+
+
+def got(n: int, status: str = "ok", **changes: object) -> Outcome:
+    choice = ChoiceOut(
+        text="".join(WANT.tokens[:n]),
+        tokens=WANT.tokens[:n],
+        token_logprobs=WANT.token_logprobs[:n],
+        top_logprobs=WANT.top_logprobs[:n],
+        finish_reason="length" if status == "ok" else None,
+    )
+    for name, value in changes.items():
+        setattr(choice, name, value)
+    return Outcome(0, scheduled=0.0, status=status, choices={0: choice})
+
+
+def test_a_complete_answer_must_equal_the_reference() -> None:
+    assert mismatch(got(3), [WANT]) is None
+    assert mismatch(got(2), [WANT]) == "choice 0: 2 tokens, the reference has 3"
+    duplicated = got(3, tokens=["a", " bc", " bc"], text="a bc bc")
+    assert mismatch(duplicated, [WANT]) == "choice 0: tokens differ from token 2"
+    assert mismatch(got(3, token_logprobs=[-0.5, -1.2500001, -0.125]), [WANT]) == (
+        "choice 0: token_logprobs differ from token 1"
+    )
+    assert mismatch(got(3, finish_reason="stop"), [WANT]) == (
+        "choice 0: text or finish_reason differ"
+    )
+    assert mismatch(Outcome(0, 0.0, status="ok"), [WANT]) == "choice 0 missing"
+
+
+@pytest.mark.parametrize("status", ["cancelled", "error"])
+def test_a_cut_answer_must_be_a_prefix_of_the_reference(status: str) -> None:
+    assert mismatch(got(0, status), [WANT]) is None
+    assert mismatch(got(2, status), [WANT]) is None
+    assert mismatch(Outcome(0, 0.0, status=status), [WANT]) is None  # nothing came
+    skipped = got(2, status, tokens=["a", " d"], text="a d")
+    assert mismatch(skipped, [WANT]) == "choice 0: tokens differ from token 1"
+    assert mismatch(got(2, status, text="a bx"), [WANT]) == (
+        "choice 0: the text received is not a prefix of the reference"
+    )
+
+
+def test_response_of_an_attempt() -> None:
+    assert response_of("cmpl-abc-0@1") == "cmpl-abc"
+    assert response_of("cmpl-a-b-12@3") == "cmpl-a-b"
+
+
+def test_a_request_is_touched_by_faults_on_its_workers_or_on_everyone_while_open() -> None:
+    o = Outcome(0, scheduled=9.0, sent=10.0, finished=20.0, response_id="cmpl-x")
+    mine = [Attempt("cmpl-x-0@1", "prefill-0", "decode-1")]
+    kill = FaultEvent("kill_worker", 12.0, ["decode-1"], until=15.0, number=1)
+    other = FaultEvent("kill_worker", 12.0, ["decode-0"], until=15.0, number=2)
+    before = FaultEvent("kill_worker", 2.0, ["decode-1"], until=9.5)  # back before it was sent
+    after = FaultEvent("kill_worker", 21.0, ["prefill-0"], until=25.0, number=4)
+    router = FaultEvent("kill_router", 19.0, everyone=True, number=3)
+    assert touched_by(o, mine, [kill, other, before, after, router]) == [
+        "kill_worker#1",
+        "kill_router#3",
+    ]
+    unknown = Outcome(1, scheduled=9.0, sent=10.0, finished=11.0)  # failed before an id
+    assert touched_by(unknown, [], [FaultEvent("kill_worker", 10.5, ["decode-0"], number=7)]) == [
+        "kill_worker#7"
+    ]
+    assert touched_by(unknown, [], [other]) == []
+
+
+def test_timeline_bins_tokens_errors_and_ttft_from_the_scheduled_send() -> None:
+    a = Outcome(0, scheduled=100.0, first_token=100.5, finished=101.5, status="ok")
+    a.token_times = [(100.5, 1), (101.2, 3)]
+    b = Outcome(1, scheduled=101.0, first_token=101.9, finished=102.5, status="error")
+    b.token_times = [(101.9, 2)]
+    bins = timeline([a, b], start=100.0, end=103.0)
+    assert [x.tokens_per_s for x in bins] == [1.0, 5.0, 0.0]
+    assert [x.errors for x in bins] == [0, 0, 1]
+    assert [x.requests for x in bins] == [1, 1, 0]
+    assert bins[0].ttft_p99 == 0.5 and bins[1].ttft_p50 == pytest.approx(0.9)
+    assert bins[2].ttft_p50 is None
+
+
+def steady_stream(rate_until: float, dip: tuple[float, float]) -> list[Outcome]:
+    """A request every 0.1 s with 10 tokens and TTFT 0.1 s, none first-tokened in ``dip``."""
+    out = []
+    for i in range(int(rate_until * 10)):
+        t = i / 10
+        if dip[0] <= t < dip[1]:
+            continue
+        o = Outcome(i, scheduled=t - 0.1, first_token=t, finished=t, status="ok")
+        o.token_times = [(t, 10)]
+        out.append(o)
+    return out
+
+
+def test_recovery_is_when_a_window_is_back_within_ten_percent() -> None:
+    outcomes = steady_stream(60.0, dip=(20.0, 23.0))
+    steady, back = recovery_s(outcomes, fault_at=20.0, not_before=0.0, load_end=60.0)
+    assert steady.tokens_per_s == pytest.approx(100.0) and steady.ttft_p99 == pytest.approx(0.1)
+    # The first 5 s window from the fault with >= 90 tok/s starts at 22.5 s (2.5 s of the 3 s
+    # dip behind it would leave 50 tok/s; at 22.5: 0.5 s missing -> 90 tok/s).
+    assert back == pytest.approx(2.5)
+    never = steady_stream(60.0, dip=(20.0, 60.0))
+    assert recovery_s(never, 20.0, 0.0, 60.0)[1] is None
+    assert RECOVERY_WINDOW_S == 5.0
+
+
+def test_detection_is_the_first_failed_mark_of_the_faults_worker_after_it() -> None:
+    event = FaultEvent("kill_worker", 100.0, ["decode-0"])
+    health = [
+        {"worker": "decode-0", "event": "failed", "why": "old", "at": 50.0},
+        {"worker": "decode-1", "event": "failed", "why": "x", "at": 100.2},
+        {"worker": "decode-0", "event": "up", "why": "", "at": 100.3},
+        {"worker": "decode-0", "event": "failed", "why": "died", "at": 100.4},
+        {"worker": "decode-0", "event": "failed", "why": "again", "at": 101.0},
+    ]
+    assert detection_s(event, health) == pytest.approx(0.4)
+    early = [{"worker": "decode-0", "event": "failed", "why": "exited", "at": 99.98}]
+    assert detection_s(event, early) == 0.0  # within the death watch's polling
+    assert detection_s(FaultEvent("kill_worker", 100.0, ["prefill-0"]), health) is None
+
+
+def record(
+    rid: str, status: str, arrival: float, finished: float, tokens: int
+) -> dict[str, object]:
+    return {
+        "request_id": rid,
+        "status": status,
+        "arrival": arrival,
+        "finished": finished,
+        "num_prompt_tokens": tokens,
+        "num_generated": 0,
+    }
+
+
+def test_stranded_kv_is_held_by_survivors_for_attempts_whose_peer_was_killed() -> None:
+    kill = FaultEvent("kill_worker", 10.0, ["prefill-0"])
+    attempts = {
+        "a@1": Attempt("a@1", "prefill-0", "decode-0"),  # its sender died: held 0.5 s after
+        "b@1": Attempt("b@1", "prefill-0", "decode-1"),  # finished anyway: not stranded
+        "c@1": Attempt("c@1", "prefill-1", "decode-0"),  # another peer
+        "d@1": Attempt("d@1", "prefill-0", "decode-0"),  # arrived after the kill
+    }
+    records = {
+        "decode-0": [
+            record("a@1", "failed", 9.0, 10.5, 40),  # 40 tokens: 3 blocks of 16
+            record("c@1", "failed", 9.0, 12.0, 16),
+            record("d@1", "failed", 10.1, 13.0, 16),
+        ],
+        "decode-1": [record("b@1", "finished", 9.0, 11.0, 16)],
+        "prefill-0": [record("a@1", "failed", 9.0, 10.0, 40)],  # the dead one's own
+    }
+    s = stranded([kill], attempts, records, block_size=16)
+    assert (s.attempts, s.blocks) == (1, 3)
+    assert s.block_seconds == pytest.approx(1.5) and s.worst_s == pytest.approx(0.5)
+    assert s.per_block_s == pytest.approx(0.5)
