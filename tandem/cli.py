@@ -158,6 +158,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ch_run.add_argument("--url", default=None, help="its HTTP endpoint (with --address)")
     ch_run.add_argument("--out", default=None, help="report directory (default: chaos-reports/)")
+    ch_run.add_argument(
+        "--testbed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="on a test bed of N hosts started for the run (root; default topology testbed.yaml)",
+    )
+    ch_run.add_argument("--on-bed", action="store_true", help=argparse.SUPPRESS)
     ch_run.set_defaults(func=cmd_chaos_run)
     ch_plans = ch_sub.add_parser("plans", help="the shipped plans, a line each")
     ch_plans.set_defaults(func=cmd_chaos_plans)
@@ -247,9 +255,11 @@ def cmd_chaos_run(a: argparse.Namespace) -> int:
     from tandem.chaos.main import run_command
     from tandem.deployment import DEFAULT_TOPOLOGY
 
-    topology = Path(a.topology) if a.topology else DEFAULT_TOPOLOGY
+    bed_topology = DEFAULT_TOPOLOGY.with_name("testbed.yaml")
+    default = bed_topology if a.testbed is not None else DEFAULT_TOPOLOGY
+    topology = Path(a.topology) if a.topology else default
     out = Path(a.out) if a.out else None
-    return run_command(a.plan, topology, a.address, a.url, out)
+    return run_command(a.plan, topology, a.address, a.url, out, a.testbed, a.on_bed)
 
 
 def cmd_chaos_plans(a: argparse.Namespace) -> int:

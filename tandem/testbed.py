@@ -457,5 +457,9 @@ def _sshd() -> str:
 
 
 def _ip(*args: str) -> str:
-    out = subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+    """``ip`` in this machine's own network namespace (where the bridge and the hosts' link
+    ends are), even when called from inside a host (a chaos run's driver on the head)."""
+    out = subprocess.run(
+        ["nsenter", "--net=/proc/1/ns/net", "ip", *args], check=True, capture_output=True, text=True
+    )
     return out.stdout

@@ -16,6 +16,7 @@ import random
 import signal
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -24,7 +25,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from contracts.actors import NAMESPACE, ROUTER_NAME
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from contracts.roles import Role
+from tandem import testbed
 from tandem.chaos.plan import KVAction, Phase, Target
+from tandem.testbed import Host, Testbed
 
 CALL_TIMEOUT_S = 10.0
 # Where each phase's crash is armed: (worker point, the count it fires at).
@@ -111,8 +114,16 @@ class Worker:
 class Injector:
     """Does the plan's faults to the cluster named in Tandem's Ray namespace."""
 
-    def __init__(self, workers: list[Worker], seed: int) -> None:
+    def __init__(
+        self,
+        workers: list[Worker],
+        seed: int,
+        bed: Testbed | None = None,
+        cluster_file: Path | None = None,
+    ) -> None:
         self.workers = {w.name: w for w in workers}
+        self.bed = bed  # host faults need one (a test bed, and the `ray up` file it runs)
+        self.cluster_file = cluster_file
         self.rng = random.Random(seed)
         self.events: list[FaultEvent] = []
         self._agents: dict[str, Any] = {}
@@ -241,12 +252,16 @@ class Injector:
         return event
 
     async def kill_router(self) -> FaultEvent:
+        """SIGKILL the router actor (Ray starts another); the event lasts until it answers."""
         router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-        event = FaultEvent("kill_router", await self._kill(router), everyone=True)
-        return self.record(event)
+        event = self.record(FaultEvent("kill_router", await self._kill(router), everyone=True))
+        await self.whereabouts(router, timeout_s=120.0)
+        event.until = time.time()
+        return event
 
-    async def kill_ingress(self) -> FaultEvent:
-        """SIGKILL one Serve replica of Tandem's ingress (Serve starts another)."""
+    async def kill_ingress(self, url: str) -> FaultEvent:
+        """SIGKILL one Serve replica of Tandem's ingress (Serve starts another); the event
+        lasts until ``url`` answers again."""
         replicas = [
             a
             for a in ray.util.list_named_actors(all_namespaces=True)
@@ -256,5 +271,78 @@ class Injector:
             raise InjectError("no ingress replica of the `tandem` Serve application")
         chosen = self.rng.choice(sorted(replicas, key=lambda a: str(a["name"])))
         handle = ray.get_actor(chosen["name"], namespace=chosen["namespace"])
-        event = FaultEvent("kill_ingress", await self._kill(handle), everyone=True)
-        return self.record(event)
+        event = self.record(FaultEvent("kill_ingress", await self._kill(handle), everyone=True))
+        await self._answers(url, timeout_s=120.0)
+        event.until = time.time()  # the endpoint answers again: the outage ends
+        return event
+
+    @staticmethod
+    async def _answers(url: str, timeout_s: float) -> None:
+        """Until ``url``/health answers (any HTTP status: something is listening again)."""
+        import urllib.error
+        import urllib.request
+
+        until = time.time() + timeout_s
+        while time.time() < until:
+            try:
+                await asyncio.to_thread(urllib.request.urlopen, f"{url}/health", None, 2.0)
+                return
+            except urllib.error.HTTPError:
+                return
+            except OSError:
+                await asyncio.sleep(0.1)
+        raise InjectError(f"{url} did not answer within {timeout_s:.0f} s")
+
+    # -- hosts (a test bed) --------------------------------------------------------------------
+
+    def hosts(self, index: int | None = None, domain: str | None = None) -> list[Host]:
+        """The bed's host ``index``, or every host of ``domain``; never the head (this run's
+        driver and the cluster's GCS live there)."""
+        if self.bed is None:
+            raise InjectError("host faults need a test bed: tandem chaos run --testbed N")
+        chosen = [
+            h
+            for i, h in enumerate(self.bed.hosts)
+            if (index is None or i == index) and (domain is None or h.domain == domain)
+        ]
+        if not chosen:
+            raise InjectError(f"no bed host {index if domain is None else f'in domain {domain}'}")
+        if self.bed.hosts[0] in chosen:
+            raise InjectError(f"{self.bed.hosts[0].name} is the head: the run lives there")
+        return chosen
+
+    def _on(self, hosts: list[Host]) -> list[str]:
+        domains = {h.domain for h in hosts}
+        return sorted(w.name for w in self.workers.values() if w.domain in domains)
+
+    async def kill_hosts(self, kind: str, hosts: list[Host], seconds: float) -> FaultEvent:
+        """Every process of ``hosts`` SIGKILLed at once (machines dying); after ``seconds``
+        they boot again: sshd, then their Ray node (the cluster file's start commands)."""
+        at = time.time()
+        for host in hosts:
+            await asyncio.to_thread(testbed.kill_host, host)
+        names = " ".join(h.name for h in hosts)
+        event = self.record(
+            FaultEvent(kind, at, self._on(hosts), detail=f"{names} for {seconds:g} s")
+        )
+        await asyncio.sleep(seconds)
+        assert self.bed is not None and self.cluster_file is not None
+        for host in hosts:
+            await asyncio.to_thread(testbed.revive_host, self.bed, host)
+            await asyncio.to_thread(testbed.restart_ray_node, self.bed, host, self.cluster_file)
+        return event
+
+    async def partition_host(self, host: Host, seconds: float) -> FaultEvent:
+        """``host`` cut off the bed both ways for ``seconds``; its processes live on."""
+        at = time.time()
+        await asyncio.to_thread(testbed.partition, host)
+        event = self.record(
+            FaultEvent(
+                "partition_host", at, self._on([host]), detail=f"{host.name} for {seconds:g} s"
+            )
+        )
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            await asyncio.to_thread(testbed.heal, host)
+        return event

@@ -150,6 +150,8 @@ def _arrivals(load: Load, rng: random.Random) -> tuple[list[float], list[tuple[i
                 out = min(max(p.output_tokens[0], row["output_length"]), p.output_tokens[1])
                 lengths.append((words, out))
         return times, lengths
+    if a.process == "closed":  # sent as clients free up: the order is all that is planned
+        return [0.0] * a.max_requests, []
     times, t = [], 0.0
     while len(times) < a.max_requests:
         if a.process == "poisson":
@@ -200,6 +202,25 @@ class Sender:
             self.outcomes[item.index] = outcome
             tasks.append(asyncio.create_task(self._bounded(item, outcome)))
         await asyncio.gather(*tasks)
+
+    async def run_closed(
+        self, plan: list[Planned], start: float, clients: int, duration_s: float
+    ) -> None:
+        """``clients`` loops, each sending the schedule's next request as soon as its last one
+        ended, until ``duration_s`` after ``start``; return when all ended."""
+        queue = iter(plan)
+
+        async def client() -> None:
+            while time.time() < start + duration_s:
+                item = next(queue, None)
+                if item is None:
+                    return
+                outcome = Outcome(item.index, scheduled=time.time())
+                self.outcomes[item.index] = outcome
+                await self._bounded(item, outcome)
+
+        await asyncio.sleep(max(0.0, start - time.time()))
+        await asyncio.gather(*(client() for _ in range(clients)))
 
     def drop(self, indexes: list[int]) -> None:
         """The clients of these open streams hang up now."""

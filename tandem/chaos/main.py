@@ -5,43 +5,60 @@ exit status."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from tandem.chaos.plan import ChaosPlan, load_plan, shipped_plans
 from tandem.chaos.report import write_report
 from tandem.chaos.verdict import Summary
 from tandem.topology import load_topology
 
+BED_CLUSTER = Path(__file__).resolve().parents[2] / "deploy" / "cluster-testbed.yaml"
+
 
 def say(line: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
 
 
-def run_against(plan: ChaosPlan, topology_file: Path, url: str, out: Path) -> Summary:
+def run_against(
+    plan: ChaosPlan, topology_file: Path, url: str, out: Path, bed: Any = None
+) -> Summary:
     """Run ``plan`` against the Tandem at ``url`` (this process already joined to its Ray
-    cluster), write the report into ``out``."""
+    cluster), write the report into ``out``. ``bed``: the test bed it runs on (host faults)."""
     from tandem.chaos.run import ChaosRun
 
     topology = load_topology(topology_file)
-    summary = asyncio.run(ChaosRun(plan, topology, url, say).run())
+    run = ChaosRun(plan, topology, url, say, bed, BED_CLUSTER if bed else None)
+    summary = asyncio.run(run.run())
     for path in write_report(summary, out):
         say(f"wrote {path}")
     return summary
 
 
 def run_command(
-    plan_file: str, topology_file: Path, address: str | None, url: str | None, out: Path | None
+    plan_file: str,
+    topology_file: Path,
+    address: str | None,
+    url: str | None,
+    out: Path | None,
+    testbed_nodes: int | None = None,
+    on_bed: bool = False,
 ) -> int:
     """The CLI: 0 when every check passed, 1 when one failed."""
     plan = load_plan(plan_file)
-    if plan.testbed:
-        raise ValueError(f"plan {plan.name!r} needs a test bed: run it from `make test-bed`")
     out = out or Path("chaos-reports") / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if testbed_nodes is not None:
+        return run_on_bed(plan_file, testbed_nodes, topology_file, out)
+    if plan.testbed and not on_bed:
+        raise ValueError(f"plan {plan.name!r} needs a test bed: add --testbed N (root)")
     import ray
     from ray import serve
 
+    from tandem import testbed
     from tandem.bootstrap import init_ray
     from tandem.launch import stop_cluster
     from tandem.serve import deploy, free_port, wait_until_ready
@@ -57,7 +74,7 @@ def run_command(
     try:
         wait_until_ready(url)
         say(f"running plan {plan.name} against {url}")
-        summary = run_against(plan, topology_file, url, out)
+        summary = run_against(plan, topology_file, url, out, testbed.load() if on_bed else None)
     finally:
         if started:
             serve.shutdown()
@@ -67,6 +84,43 @@ def run_command(
         say(f"{'pass' if check.passed else 'FAIL'}  {check.name}: {check.measured}")
     say(f"verdict: {'PASS' if summary.verdict else 'FAIL'}  ({out / 'report.md'})")
     return 0 if summary.verdict else 1
+
+
+def run_on_bed(plan_file: str, nodes: int, topology_file: Path, out: Path) -> int:
+    """``--testbed N``: a bed of N hosts (one per failure domain of the topology), ``ray up``
+    on it, ``tandem serve`` on its head; then this command again as a driver on the head host
+    (``--on-bed``: it can do host faults); then everything down again."""
+    from tandem import testbed
+
+    topology = load_topology(topology_file)
+    if len(topology.domains) != nodes:
+        raise ValueError(
+            f"--testbed {nodes}: the topology's domains {topology.domains} need a host each"
+        )
+    ray_cli = str(Path(sys.executable).with_name("ray"))
+    say(f"starting a test bed of {nodes} hosts, ray up {BED_CLUSTER.name}, tandem serve")
+    bed = testbed.up(nodes, topology.domains)
+    try:
+        up = [ray_cli, "up", "-y", "--no-config-cache", str(BED_CLUSTER)]
+        subprocess.run(up, check=True, capture_output=True, timeout=300)
+        serving = testbed.serve_on_head(bed, topology_file.resolve())
+        try:
+            head = bed.hosts[0]
+            command = [
+                *("ip", "netns", "exec", head.name),
+                str(Path(sys.executable).with_name("tandem")),
+                *("chaos", "run", plan_file, "--on-bed", "--url", testbed.url(bed)),
+                *("--address", f"{head.address}:{testbed.RAY_PORT}"),
+                *("--topology", str(topology_file.resolve()), "--out", str(out.resolve())),
+            ]
+            env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}  # the host's address
+            return subprocess.run(command, env=env, cwd=testbed.CHECKOUT).returncode
+        finally:
+            testbed.stop_serving(bed, serving)
+            down = [ray_cli, "down", "-y", str(BED_CLUSTER)]
+            subprocess.run(down, capture_output=True, timeout=120)
+    finally:
+        testbed.down()
 
 
 def plans_command() -> int:

@@ -41,11 +41,14 @@ class _Section(BaseModel):
 
 
 class Arrivals(_Section):
-    process: Literal["poisson", "gamma", "trace"] = Field(
+    process: Literal["poisson", "gamma", "trace", "closed"] = Field(
         "poisson",
         description="open-loop inter-arrival times: exponential (poisson), gamma with shape "
-        "`burstiness` (bursty below 1), or a trace's timestamps",
+        "`burstiness` (bursty below 1), or a trace's timestamps; or closed: `concurrency` "
+        "clients, each sending its next request when the last one ended (a fleet of "
+        "clients; a dropped one comes back at once)",
     )
+    concurrency: int = Field(8, ge=1, le=1024, description="clients of a closed loop")
     rate: float = Field(2.0, gt=0, description="mean requests per second (poisson, gamma)")
     burstiness: float = Field(1.0, gt=0, description="gamma shape; 1 is a Poisson process")
     duration_s: float = Field(60.0, gt=0, le=24 * 3600, description="how long requests are sent")
@@ -189,6 +192,9 @@ class KillIngress(_Timed):
 class AbortStorm(_Timed):
     kind: Literal["abort_storm"]
     fraction: float = Field(0.5, gt=0, le=1, description="share of open streams dropped at once")
+    min_open: int = Field(
+        0, ge=0, description="wait (up to 30 s) until at least this many streams are open"
+    )
 
 
 class CancelRace(_Timed):
@@ -210,13 +216,16 @@ class HostFault(_Timed):
     """Test bed only (``--testbed``): a whole host."""
 
     kind: Literal["kill_host", "partition_host"]
-    host: int = Field(ge=0, description="the bed host's index (0 is the head)")
-    duration_s: float = Field(8.0, gt=0, description="until healed / revived")
+    host: int = Field(ge=1, description="the bed host's index (0 is the head: never a target)")
+    duration_s: float = Field(8.0, gt=0, description="until healed / booted again")
 
 
 class LoseDomain(_Timed):
+    """Test bed only: every host of a failure domain dies at once."""
+
     kind: Literal["lose_domain"]
     domain: str
+    duration_s: float = Field(20.0, gt=0, description="until its hosts boot again")
 
 
 Fault = Annotated[
@@ -244,7 +253,6 @@ class Checks(_Section):
         60.0, gt=0, description="a request must end within its deadline (else its send) + this"
     )
     max_mismatches: int = Field(0, ge=0, description="outputs unequal to the reference engine's")
-    max_leaked_blocks: int = Field(0, ge=0, description="KV blocks not back in a pool after")
     min_non_targeted_success: float = Field(
         0.999, ge=0, le=1, description="success share of requests no fault touched"
     )
@@ -253,7 +261,10 @@ class Checks(_Section):
         1.0, gt=0, description="a hung worker marked FAILED within heartbeat timeout + this"
     )
     max_stranded_s: float = Field(
-        1.0, gt=0, description="KV held for a dead peer, in block-seconds per block"
+        1.0,
+        gt=0,
+        description="the longest a survivor may hold an attempt's KV after its peer died "
+        "(stranded block-seconds <= this x the attempt's blocks)",
     )
     max_recovery_s: float | None = Field(
         None, gt=0, description="throughput and p99 TTFT back within 10% of the steady window"

@@ -71,26 +71,38 @@ def markdown(s: Summary) -> str:
 
 
 def plot(s: Summary, path: Path) -> None:
+    """Tokens/s (each second and a 5 s mean), TTFT p50/p99 and errors per second; each fault a
+    dashed line labelled with its detection and recovery times."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     t = [b.t for b in s.timeline]
-    fig, (a, b, c) = plt.subplots(3, 1, figsize=(10, 7), sharex=True)
-    a.plot(t, [b_.tokens_per_s for b_ in s.timeline], color="tab:blue")
+    rate = [b.tokens_per_s for b in s.timeline]
+    mean = [
+        sum(rate[max(0, i - 4) : i + 1]) / len(rate[max(0, i - 4) : i + 1])
+        for i in range(len(rate))
+    ]
+    fig, (a, b, c) = plt.subplots(3, 1, figsize=(11, 7.5), sharex=True)
+    a.plot(t, rate, color="tab:blue", alpha=0.35, label="each second")
+    a.plot(t, mean, color="tab:blue", label="5 s mean")
     a.set_ylabel("tokens/s")
-    b.plot(t, [b_.ttft_p50 for b_ in s.timeline], ".", label="p50", color="tab:green")
-    b.plot(t, [b_.ttft_p99 for b_ in s.timeline], ".", label="p99", color="tab:red")
+    a.legend(loc="upper right", fontsize=8)
+    b.plot(t, [x.ttft_p50 for x in s.timeline], ".", label="p50", color="tab:green")
+    b.plot(t, [x.ttft_p99 for x in s.timeline], ".", label="p99", color="tab:red")
     b.set_ylabel("TTFT (s)")
-    b.legend(loc="upper right")
-    c.bar(t, [b_.errors for b_ in s.timeline], width=0.9, color="tab:red")
+    b.legend(loc="upper right", fontsize=8)
+    c.bar(t, [x.errors for x in s.timeline], width=0.9, color="tab:red")
+    c.set_ylim(0, max(1, *(x.errors for x in s.timeline)))
     c.set_ylabel("errors/s")
     c.set_xlabel("seconds from the first request")
+    top = max(rate, default=1.0) or 1.0
     for f in s.faults:
         for ax in (a, b, c):
             ax.axvline(f.at_s, color="black", linestyle="--", linewidth=0.8)
-        a.annotate(f.kind, (f.at_s, 0), rotation=90, fontsize=7, va="bottom")
+        label = f"{f.kind} {' '.join(f.workers)}\ndetected {_s(f.detect_s)} s, back {_s(f.recovery_s)} s"
+        a.annotate(label, (f.at_s, top), rotation=90, fontsize=7, va="top", ha="right")
     fig.suptitle(f"chaos run {s.plan}: {'PASS' if s.verdict else 'FAIL'}")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -18,6 +18,7 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -32,6 +33,7 @@ from tandem.chaos.plan import (
     ChaosPlan,
     Churn,
     HangWorker,
+    HostFault,
     KillIngress,
     KillRouter,
     KillWorker,
@@ -41,20 +43,29 @@ from tandem.chaos.plan import (
 )
 from tandem.chaos.reference import Expected, expected, reference_engine
 from tandem.launch import model_dir_of
+from tandem.testbed import Testbed
 from tandem.topology import Topology
 
 Say = Callable[[str], None]
 POLL_S = 0.5
 WARMUP_S = 5.0  # the first seconds of load are not a steady window
 RACE_WAIT_S = 10.0  # a cancel race waits this long for a stream on its worker
-KILLS = ("kill_worker", "churn", "cancel_race")
+STORM_WAIT_S = 30.0  # an abort storm waits this long for its open streams
 
 
 class ChaosRun:
     """Runs ``plan`` against the Tandem serving ``url`` (Ray already initialised, joined to
     its cluster), started from ``topology``."""
 
-    def __init__(self, plan: ChaosPlan, topology: Topology, url: str, say: Say) -> None:
+    def __init__(
+        self,
+        plan: ChaosPlan,
+        topology: Topology,
+        url: str,
+        say: Say,
+        bed: Testbed | None = None,
+        cluster_file: Path | None = None,
+    ) -> None:
         self.plan = plan
         self.topology = topology
         self.url = url
@@ -64,7 +75,7 @@ class ChaosRun:
             Worker(s.name, s.role, s.domain, ray.get_actor(s.name, namespace=NAMESPACE))
             for s in topology.workers()
         ]
-        self.injector = Injector(self.workers, plan.load.seed)
+        self.injector = Injector(self.workers, plan.load.seed, bed, cluster_file)
         self.sender = Sender(
             url, topology.model.name, plan.checks.hang_bound_s, plan.load.deadline_s
         )
@@ -78,15 +89,19 @@ class ChaosRun:
         await self._all_idle("before the run")
         requests_before = _requests_total(self.url)
         plan = schedule(self.plan.load)
-        self.say(
-            f"{len(plan)} requests over {self.plan.load.arrivals.duration_s:g} s, "
-            f"{len(self.plan.faults)} faults"
-        )
+        a = self.plan.load.arrivals
+        load = f"{a.concurrency} clients" if a.process == "closed" else f"{len(plan)} requests"
+        self.say(f"{load} over {a.duration_s:g} s, {len(self.plan.faults)} faults")
         start = time.time() + 1.0
         poller = asyncio.create_task(self._poll_decisions())
         progress = asyncio.create_task(self._progress(start, len(plan)))
         faults = [asyncio.create_task(self._fault(f, start)) for f in self.plan.faults]
-        await self.sender.run(plan, start)
+        arrivals = self.plan.load.arrivals
+        if arrivals.process == "closed":
+            await self.sender.run_closed(plan, start, arrivals.concurrency, arrivals.duration_s)
+            plan = [p for p in plan if p.index in self.sender.outcomes]
+        else:
+            await self.sender.run(plan, start)
         load_end = time.time()
         for task in faults:  # a fault still going (churn, a phase nobody reached) ends here
             if not task.done():
@@ -140,16 +155,22 @@ class ChaosRun:
             elif isinstance(fault, KillRouter):
                 event = await inj.kill_router()
             elif isinstance(fault, KillIngress):
-                event = await inj.kill_ingress()
+                event = await inj.kill_ingress(self.url)
             elif isinstance(fault, AbortStorm):
-                event = self._abort_storm(fault.fraction)
+                event = await self._abort_storm(fault)
             elif isinstance(fault, CancelRace):
                 event = await self._cancel_race(fault)
             elif isinstance(fault, Churn):
                 await self._churn(fault)
                 return
+            elif isinstance(fault, HostFault) and fault.kind == "kill_host":
+                event = await inj.kill_hosts("kill_host", inj.hosts(fault.host), fault.duration_s)
+            elif isinstance(fault, HostFault):
+                [host] = inj.hosts(fault.host)
+                event = await inj.partition_host(host, fault.duration_s)
             else:
-                raise InjectError(f"{fault.kind} needs a test bed (--testbed)")
+                hosts = inj.hosts(domain=fault.domain)
+                event = await inj.kill_hosts("lose_domain", hosts, fault.duration_s)
             self.say(f"fault: {event.kind} {' '.join(event.workers)} {event.detail}".rstrip())
         except InjectError as exc:
             self.inject_errors.append(f"{fault.kind} at {fault.at_s:g} s: {exc}")
@@ -163,9 +184,17 @@ class ChaosRun:
                 self.inject_errors.append(f"{fault.kind} at {fault.at_s:g} s: {why}")
             raise
 
-    def _abort_storm(self, fraction: float) -> FaultEvent:
+    async def _abort_storm(self, fault: AbortStorm) -> FaultEvent:
+        """Drop ``fraction`` of the open streams at once (once ``min_open`` are open)."""
+        until = time.time() + STORM_WAIT_S
+        while len(self.sender.open) < fault.min_open:
+            if time.time() >= until:
+                raise InjectError(
+                    f"only {len(self.sender.open)} streams open, {fault.min_open} wanted"
+                )
+            await asyncio.sleep(0.05)
         open_now = sorted(self.sender.open)
-        dropped = self.injector.rng.sample(open_now, math.ceil(fraction * len(open_now)))
+        dropped = self.injector.rng.sample(open_now, math.ceil(fault.fraction * len(open_now)))
         self.sender.drop(dropped)
         event = FaultEvent(
             "abort_storm", time.time(), everyone=True, detail=f"{len(dropped)} of {len(open_now)}"
@@ -400,7 +429,14 @@ class ChaosRun:
         c = self.plan.checks
         hung = sum(r["status"] == "hung" for r in rows)
         mismatched = sum(r["mismatch"] is not None for r in rows)
-        untyped = sum(r["status"] == "error" and r["error_type"] is None for r in rows)
+        # A stream the killed ingress was serving, or a request it could not take, ends with the
+        # connection: nothing was left to type its error.
+        untyped = sum(
+            r["status"] == "error"
+            and r["error_type"] is None
+            and not any(t.startswith("kill_ingress#") for t in r["touched"])
+            for r in rows
+        )
         judged = [r for r in rows if not r["planned_cancel"] and not r["storm"]]
         clean = [r for r in judged if not r["touched"]]
         clean_ok = sum(r["status"] == "ok" for r in clean)
@@ -408,9 +444,10 @@ class ChaosRun:
         heartbeat = self.topology.heartbeat_timeout_s
         late = []
         for f in faults:
-            limit = {"hang_worker": heartbeat + c.max_detect_hang_margin_s}.get(
-                f.kind, c.max_detect_kill_s if f.kind in KILLS else None
-            )
+            limit = {
+                "hang_worker": heartbeat + c.max_detect_hang_margin_s,
+                "partition_host": heartbeat + c.max_detect_hang_margin_s,
+            }.get(f.kind, c.max_detect_kill_s if f.kind in v.KILLS else None)
             if limit is not None and (f.detect_s is None or f.detect_s > limit):
                 late.append(f"{f.kind} {' '.join(f.workers)}: {f.detect_s}")
         worst = max((f.detect_s for f in faults if f.detect_s is not None), default=0.0)

@@ -16,6 +16,8 @@ from tandem.chaos.reference import Expected
 STEADY_WINDOW_S = 10.0  # before a fault: what "steady" is measured over
 RECOVERY_WINDOW_S = 5.0  # after it: each window judged against steady
 RECOVERY_TOLERANCE = 0.10  # throughput and p99 TTFT back within 10%
+# Faults that end processes (detected within max_detect_kill_s; their peers' KV is stranded).
+KILLS = ("kill_worker", "churn", "cancel_race", "kill_host", "lose_domain")
 
 
 @dataclass
@@ -198,7 +200,7 @@ def stranded(
     peer (the other worker of the attempt) a kill took down while they ran, held from the kill
     to their end."""
     out = Stranded()
-    kills = [e for e in events if e.kind in ("kill_worker", "churn", "cancel_race")]
+    kills = [e for e in events if e.kind in KILLS]
     for worker, rows in records.items():
         for r in rows:
             if r["status"] == "finished" or r["request_id"] not in attempts:

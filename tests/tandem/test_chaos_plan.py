@@ -129,3 +129,29 @@ def test_a_trace_replays_its_times_with_lengths_in_range(tmp_path: Path) -> None
     assert [p.send_at for p in out] == [0.0, 0.5, 1.5]  # 4.0 s is past duration_s
     assert [len(p.body["prompt"].split()) for p in out] == [2, 40, 2]
     assert [p.body["max_tokens"] for p in out] == [5, 64, 4]
+
+
+def test_a_closed_loop_plans_only_the_order_of_its_requests() -> None:
+    load = Load.model_validate(
+        {"arrivals": {"process": "closed", "concurrency": 4, "max_requests": 50}, "seed": 3}
+    )
+    out = schedule(load)
+    assert len(out) == 50 and {p.send_at for p in out} == {0.0}
+    assert [p.index for p in out] == list(range(50))
+
+
+def test_bed_plans_need_a_bed_and_never_target_the_head(tmp_path: Path) -> None:
+    names = {name: plan for name, plan in shipped_plans()}
+    assert all(names[n].testbed for n in ("host-loss", "partition", "domain-loss"))
+    assert not any(
+        p.testbed for n, p in names.items() if n not in ("host-loss", "partition", "domain-loss")
+    )
+    head = tmp_path / "head.yaml"
+    head.write_text("name: x\ntestbed: true\nfaults: [{kind: kill_host, at_s: 1, host: 0}]")
+    with pytest.raises(PlanError, match=r"faults.0.kill_host.host: 0 \(must be >= 1\)"):
+        load_plan(head)
+
+
+def test_a_bed_plan_without_a_bed_is_a_clear_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["chaos", "run", "partition"]) == 2
+    assert "plan 'partition' needs a test bed: add --testbed N" in capsys.readouterr().err
