@@ -456,10 +456,14 @@ def _sshd() -> str:
     return "/usr/sbin/sshd"
 
 
+ROOT_NETNS_ENV = "TANDEM_BED_ROOT_NETNS"  # a process inside a host: where the bed's root is
+
+
 def _ip(*args: str) -> str:
     """``ip`` in this machine's own network namespace (where the bridge and the hosts' link
-    ends are), even when called from inside a host (a chaos run's driver on the head)."""
-    out = subprocess.run(
-        ["nsenter", "--net=/proc/1/ns/net", "ip", *args], check=True, capture_output=True, text=True
-    )
+    ends are), also from inside a host (a chaos run's driver on the head, given the path of
+    the root namespace in ``TANDEM_BED_ROOT_NETNS``)."""
+    root = os.environ.get(ROOT_NETNS_ENV)
+    enter = ["nsenter", f"--net={root}"] if root else []
+    out = subprocess.run([*enter, "ip", *args], check=True, capture_output=True, text=True)
     return out.stdout

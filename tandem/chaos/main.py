@@ -113,7 +113,11 @@ def run_on_bed(plan_file: str, nodes: int, topology_file: Path, out: Path) -> in
                 *("--address", f"{head.address}:{testbed.RAY_PORT}"),
                 *("--topology", str(topology_file.resolve()), "--out", str(out.resolve())),
             ]
-            env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}  # the host's address
+            env = {
+                **os.environ,
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",  # Ray on the host's address
+                testbed.ROOT_NETNS_ENV: f"/proc/{os.getpid()}/ns/net",  # partitions, kills
+            }
             return subprocess.run(command, env=env, cwd=testbed.CHECKOUT).returncode
         finally:
             testbed.stop_serving(bed, serving)

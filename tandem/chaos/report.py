@@ -40,13 +40,13 @@ def markdown(s: Summary) -> str:
         "## Faults",
         "",
         "| t (s) | fault | workers | detail | detected (s) | recovered (s) | steady tok/s | "
-        "steady TTFT p99 (s) | requests touched | of them ok |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "steady TTFT p99 (s) | requests touched | of them ok | lasted (s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {f.at_s:.1f} | {f.kind} | {' '.join(f.workers) or 'all'} | {f.detail} | "
         f"{_s(f.detect_s)} | {_s(f.recovery_s)} | {f.steady_tokens_per_s:.0f} | "
-        f"{_s(f.steady_ttft_p99)} | {f.touched} | {f.touched_ok} |"
+        f"{_s(f.steady_ttft_p99)} | {f.touched} | {f.touched_ok} | {_s(f.lasted_s)} |"
         for f in s.faults
     ]
     counts = ", ".join(f"{k} {v}" for k, v in sorted(s.counts.items()))

@@ -411,6 +411,7 @@ class ChaosRun:
                     steady_ttft_p99=steady.ttft_p99,
                     touched=len(hit),
                     touched_ok=sum(r["status"] == "ok" for r in hit),
+                    lasted_s=None if e.until is None else e.until - e.at,
                 )
             )
         return out

@@ -241,6 +241,7 @@ class FaultRow:
     steady_ttft_p99: float | None
     touched: int = 0
     touched_ok: int = 0
+    lasted_s: float | None = None  # until the worker was up again / the service answered
 
 
 @dataclass

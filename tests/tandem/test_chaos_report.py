@@ -19,7 +19,9 @@ def summary(verdict: bool) -> Summary:
             Check("outputs equal the reference", verdict, "1 mismatched", "<= 0"),
         ],
         faults=[
-            FaultRow("kill_worker", 10.0, ["decode-0"], "mid_decode", 0.04, 2.5, 120.0, 0.3, 4, 4),
+            FaultRow(
+                "kill_worker", 10.0, ["decode-0"], "mid_decode", 0.04, 2.5, 120.0, 0.3, 4, 4, 3.25
+            ),
             FaultRow("kill_router", 20.0, [], "", None, None, 110.0, None, 9, 9),
         ],
         counts={"ok": 9, "requests": 10},
@@ -44,8 +46,11 @@ def test_the_report_files_say_the_verdict_and_each_row(tmp_path: Path) -> None:
     assert md.startswith("# Chaos run `demo`: FAIL\n")
     assert "| outputs equal the reference | **FAIL** | 1 mismatched | <= 0 |" in md
     assert "| no request hung | pass | 0 hung | <= 0 |" in md
-    assert "| 10.0 | kill_worker | decode-0 | mid_decode | 0.04 | 2.50 | 120 | 0.30 | 4 | 4 |" in md
-    assert "| 20.0 | kill_router | all |  | - | - | 110 | - | 9 | 9 |" in md
+    assert (
+        "| 10.0 | kill_worker | decode-0 | mid_decode | 0.04 | 2.50 | 120 | 0.30 | 4 | 4 | 3.25 |"
+        in md
+    )
+    assert "| 20.0 | kill_router | all |  | - | - | 110 | - | 9 | 9 | - |" in md
     assert "0.05 s per block" in md and '- `{"index": 3, "status": "error"}`' in md
     assert files[2].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [json.loads(line) for line in files[3].read_text().splitlines()]
