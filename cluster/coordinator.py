@@ -407,12 +407,7 @@ class Coordinator:
         finally:
             if not answer.done():
                 answer.cancel()
-        raise AttemptFailed(
-            f"{worker} is FAILED (router: missed heartbeats)",
-            worker,
-            True,
-            reason=FailureReason.WORKER_FAILED,
-        )
+        raise _marked_failed(worker)
 
     async def _deliver(
         self, inbox: Inbox, worker: str, stream: ClientStream, sender: str | None = None
@@ -451,8 +446,7 @@ class Coordinator:
         """The router marked ``worker`` FAILED: what it streams to us will not come."""
         hub = self._hubs.get(worker)
         if hub is not None:
-            why = f"{worker} is FAILED (router: missed heartbeats)"
-            hub.fail(AttemptFailed(why, worker, True, reason=FailureReason.WORKER_FAILED))
+            hub.fail(_marked_failed(worker))
 
     async def _report_dead(self, worker: str) -> None:
         try:
@@ -463,6 +457,12 @@ class Coordinator:
     def _hashes(self, tokens: list[int], cache_salt: str) -> list[int]:
         block_size = next(iter(self.infos.values())).block_size
         return prefix_hashes(tokens, block_size, cache_salt, self.model_id)
+
+
+def _marked_failed(worker: str) -> AttemptFailed:
+    """The router marked ``worker`` FAILED (missed heartbeats): its attempts end here."""
+    why = f"{worker} is FAILED (router: missed heartbeats)"
+    return AttemptFailed(why, worker, dead=True, reason=FailureReason.WORKER_FAILED)
 
 
 def _failure(exc: Exception, worker: str) -> AttemptFailed:

@@ -110,7 +110,7 @@ class ChaosRun:
         self.injector.close()
         progress.cancel()
         self.say("load done; waiting for every pool to return to its baseline")
-        leaks = await self._settle()
+        leaks = await self._check_idle(self.plan.checks.settle_s)
         poller.cancel()
         await asyncio.gather(poller, progress, return_exceptions=True)
         await self._read_decisions()
@@ -285,9 +285,6 @@ class ChaosRun:
                     await asyncio.sleep(1.0)
         return leaks
 
-    async def _settle(self) -> dict[str, str]:
-        return await self._check_idle(self.plan.checks.settle_s)
-
     async def _records(self) -> dict[str, list[dict[str, Any]]]:
         out = {}
         for w in self.workers:
@@ -335,8 +332,10 @@ class ChaosRun:
                 }
             )
         faults = self._fault_rows(events, outcomes, rows, start, load_end)
-        checks = self._checks(plan, outcomes, rows, faults, events, leaks, records, requests_total)
         strand = v.stranded(events, self.attempts, records, self._block_size())
+        checks = self._checks(
+            plan, outcomes, rows, faults, events, leaks, records, strand, requests_total
+        )
         counts = dict(Counter(o.status for o in outcomes))
         judged = [r for r in rows if not r["planned_cancel"] and not r["storm"]]
         counts.update(
@@ -425,6 +424,7 @@ class ChaosRun:
         events: list[FaultEvent],
         leaks: dict[str, str],
         records: dict[str, list[dict[str, Any]]],
+        strand: v.Stranded,
         requests_total: tuple[float | None, float | None],
     ) -> list[v.Check]:
         c = self.plan.checks
@@ -457,7 +457,6 @@ class ChaosRun:
             for rows_ in records.values()
             for n in Counter(r["request_id"] for r in rows_).values()
         )
-        strand = v.stranded(events, self.attempts, records, self._block_size())
         checks = [
             v.Check("no request hung", hung <= c.max_hung, f"{hung} hung", f"<= {c.max_hung}"),
             v.Check(
