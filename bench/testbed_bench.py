@@ -28,7 +28,6 @@ import multiprocessing as mp
 import socket
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -37,7 +36,6 @@ from typing import Any
 from bench.engine_bench import RESULTS, log
 from tandem import testbed
 
-CLUSTER = testbed.CHECKOUT / "deploy" / "cluster-testbed.yaml"
 TOPOLOGY = testbed.CHECKOUT / "deploy" / "topologies" / "testbed.yaml"
 KINDS = ["tcp", "grpc", "torch"]
 LAYERS, BLOCK, HEADS, HEAD_DIM = 4, 16, 4, 64
@@ -173,10 +171,6 @@ def transfer(bed: testbed.Testbed, mib: int, rounds: int) -> dict[str, list[floa
 # -- 2. startup -----------------------------------------------------------------------------------
 
 
-def ray_cli() -> str:
-    return str(Path(sys.executable).with_name("ray"))
-
-
 def startup() -> tuple[testbed.Testbed, subprocess.Popen[bytes], dict[str, float]]:
     import openai
 
@@ -184,12 +178,7 @@ def startup() -> tuple[testbed.Testbed, subprocess.Popen[bytes], dict[str, float
     t0 = time.perf_counter()
     bed = testbed.up(3, ["a", "b", "c"])
     t1 = time.perf_counter()
-    subprocess.run(
-        [ray_cli(), "up", "-y", "--no-config-cache", str(CLUSTER)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    testbed.ray_up()
     t2 = time.perf_counter()
     proc = testbed.serve_on_head(bed, TOPOLOGY)
     t3 = time.perf_counter()
@@ -341,7 +330,7 @@ def faults(bed: testbed.Testbed, clients: int) -> tuple[list[dict[str, Any]], Lo
         records.append(fault_record(bed, load, "kill host c", at, ["decode-1"], logged))
         records[-1]["revived_s"] = time.time() - at
         testbed.revive_host(bed, bed.hosts[2])
-        testbed.restart_ray_node(bed, bed.hosts[2], CLUSTER)
+        testbed.restart_ray_node(bed, bed.hosts[2], testbed.CLUSTER_FILE)
         wait_all_up(bed)
         rejoin_record(bed, records[-1], logged)
         time.sleep(8)
@@ -380,7 +369,7 @@ def main() -> None:
         records, load = faults(bed, a.clients)
     finally:
         testbed.stop_serving(bed, proc)
-        subprocess.run([ray_cli(), "down", "-y", str(CLUSTER)], capture_output=True, timeout=120)
+        testbed.ray_down()
         testbed.down()
     result = {
         "transfer_mib": a.transfer_mib,

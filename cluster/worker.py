@@ -369,6 +369,7 @@ class EngineWorker:
         aid = attempt.attempt_id
         if aid in self._served:
             raise ValueError(f"attempt {aid} is already running here")
+        self.faults.check(FaultPoint.ACCEPTED, attempt.number, 1)
         served = self._served[aid] = _Served(consumer)
         served.task = asyncio.get_running_loop().create_task(self._serve(aid, served, batches))
 

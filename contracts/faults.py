@@ -16,6 +16,8 @@ from enum import StrEnum
 
 
 class FaultPoint(StrEnum):
+    # count = 1: an attempt has reached the worker and waits there; none of it is computed yet
+    ACCEPTED = "accepted"
     PREFILL_LAYERS = "prefill_layers"  # count = layers of the attempt's KV marked ready
     DECODE_TOKENS = "decode_tokens"  # count = tokens this worker emitted for the attempt
     # count = index of the KV stream message about to be sent: 0 = header, 1..L = layers

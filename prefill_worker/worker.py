@@ -71,6 +71,7 @@ class PrefillWorker(EngineWorker):
     async def prefill(self, attempt: Attempt) -> AsyncGenerator[KVSource | TokenBatch, None]:
         """Yields the KVSource, then the first token as a TokenBatch (``finish_reason``
         HANDED_OFF when decode continues), then holds the lease until it ends."""
+        self.faults.check(FaultPoint.ACCEPTED, attempt.number, 1)
         spec = attempt.request
         aid = attempt.attempt_id
         blocks: list[int] = []  # the block table, once the engine has scheduled the prompt

@@ -30,6 +30,7 @@ from contracts.actors import NAMESPACE, ROUTER_NAME
 from tandem.demo import tandem_home
 
 CHECKOUT = Path(__file__).resolve().parents[1]
+CLUSTER_FILE = CHECKOUT / "deploy" / "cluster-testbed.yaml"  # `ray up` for a 3-host bed
 PREFIX = "tdm"
 BRIDGE = f"{PREFIX}-br0"
 SUBNET = "10.213.0.0/24"
@@ -41,7 +42,7 @@ CLONE_NEWNET = 0x40000000  # setns(2)'s namespace type (os.CLONE_NEWNET from Pyt
 
 
 class TestbedUnavailable(RuntimeError):
-    """This machine cannot run the test bed (not root, no iproute2, no sshd): the reason."""
+    """This machine cannot run the test bed (not root, no iproute2, sshd or rsync): the reason."""
 
     __test__ = False  # not a pytest test class, whatever its name
 
@@ -105,6 +106,7 @@ def check_possible() -> None:
         ("ip", "iproute2"),
         ("ssh", "openssh-client"),
         ("ssh-keygen", "openssh-client"),
+        ("rsync", "rsync"),  # `ray up` copies the cluster's files to each host with it
     ):
         if shutil.which(tool) is None:
             raise TestbedUnavailable(f"`{tool}` not found: install {package}")
@@ -245,6 +247,33 @@ def enter(host: Host) -> None:
 RAY_PORT = 6379  # the head's GCS port in deploy/cluster-testbed.yaml
 SERVE_PORT = 8000
 REPLY = "tandem-testbed-reply: "  # on_head's marker for its driver's answer
+
+
+def ray_up(cluster_file: Path = CLUSTER_FILE) -> None:
+    """``ray up`` the bed's cluster file, as a user launches it; RuntimeError with the end of
+    Ray's output if it fails (a missing rsync, an sshd that does not answer)."""
+    out = subprocess.run(
+        [str(Path(sys.executable).with_name("ray")), "up", "-y", "--no-config-cache"]
+        + [str(cluster_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(
+            f"ray up {cluster_file.name} failed: {(out.stdout + out.stderr)[-3000:]}"
+        )
+
+
+def ray_down(cluster_file: Path = CLUSTER_FILE, check: bool = False) -> None:
+    """``ray down`` the bed's cluster; with ``check``, RuntimeError if it fails (else best
+    effort: whatever is left of a cluster whose hosts were killed)."""
+    ray = str(Path(sys.executable).with_name("ray"))
+    out = subprocess.run(
+        [ray, "down", "-y", str(cluster_file)], capture_output=True, text=True, timeout=120
+    )
+    if check and out.returncode != 0:
+        raise RuntimeError(f"ray down failed: {(out.stdout + out.stderr)[-3000:]}")
 
 
 def url(bed: Testbed) -> str:

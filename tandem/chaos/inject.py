@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from contracts.actors import NAMESPACE, ROUTER_NAME
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from contracts.roles import Role
+from contracts.routing import WorkerState
 from tandem import testbed
 from tandem.chaos.plan import KVAction, Phase, Target
 from tandem.testbed import Host, Testbed
@@ -32,6 +33,7 @@ from tandem.testbed import Host, Testbed
 CALL_TIMEOUT_S = 10.0
 # Where each phase's crash is armed: (worker point, the count it fires at).
 PHASE_POINTS = {
+    Phase.QUEUED: (FaultPoint.ACCEPTED, 1),
     Phase.MID_PREFILL: (FaultPoint.PREFILL_LAYERS, 1),
     Phase.MID_TRANSFER: (FaultPoint.TRANSFER_CHUNK, 2),
     Phase.FIRST_TOKEN: (FaultPoint.DECODE_TOKENS, 1),
@@ -315,15 +317,37 @@ class Injector:
         domains = {h.domain for h in hosts}
         return sorted(w.name for w in self.workers.values() if w.domain in domains)
 
-    async def kill_hosts(self, kind: str, hosts: list[Host], seconds: float) -> FaultEvent:
-        """Every process of ``hosts`` SIGKILLed at once (machines dying); after ``seconds``
-        they boot again: sshd, then their Ray node (the cluster file's start commands)."""
+    async def until_busy(self, hosts: list[Host], timeout_s: float) -> str:
+        """Wait (at most ``timeout_s``) until the router counts a request on a worker of
+        ``hosts``, running or granted; says which, or that none came."""
+        if timeout_s <= 0:
+            return ""
+        names = set(self._on(hosts))
+        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        until = time.monotonic() + timeout_s
+        while time.monotonic() < until:
+            states: list[WorkerState] = await asyncio.wait_for(
+                router.worker_states.remote(), CALL_TIMEOUT_S
+            )
+            busy = sorted(s.name for s in states if s.name in names and s.load > 0)
+            if busy:
+                return f", {' '.join(busy)} busy"
+            await asyncio.sleep(0.05)
+        return f", nothing ran there in {timeout_s:g} s"
+
+    async def kill_hosts(
+        self, kind: str, hosts: list[Host], seconds: float, busy_s: float = 0.0
+    ) -> FaultEvent:
+        """Every process of ``hosts`` SIGKILLed at once (machines dying), once busy (see
+        :meth:`until_busy`); after ``seconds`` they boot again: sshd, then their Ray node
+        (the cluster file's start commands)."""
+        busy = await self.until_busy(hosts, busy_s)
         at = time.time()
         for host in hosts:
             await asyncio.to_thread(testbed.kill_host, host)
         names = " ".join(h.name for h in hosts)
         event = self.record(
-            FaultEvent(kind, at, self._on(hosts), detail=f"{names} for {seconds:g} s")
+            FaultEvent(kind, at, self._on(hosts), detail=f"{names} for {seconds:g} s{busy}")
         )
         await asyncio.sleep(seconds)
         assert self.bed is not None and self.cluster_file is not None
@@ -332,13 +356,17 @@ class Injector:
             await asyncio.to_thread(testbed.restart_ray_node, self.bed, host, self.cluster_file)
         return event
 
-    async def partition_host(self, host: Host, seconds: float) -> FaultEvent:
-        """``host`` cut off the bed both ways for ``seconds``; its processes live on."""
+    async def partition_host(self, host: Host, seconds: float, busy_s: float = 0.0) -> FaultEvent:
+        """``host`` cut off the bed both ways for ``seconds``, once busy; its processes live on."""
+        busy = await self.until_busy([host], busy_s)
         at = time.time()
         await asyncio.to_thread(testbed.partition, host)
         event = self.record(
             FaultEvent(
-                "partition_host", at, self._on([host]), detail=f"{host.name} for {seconds:g} s"
+                "partition_host",
+                at,
+                self._on([host]),
+                detail=f"{host.name} for {seconds:g} s{busy}",
             )
         )
         try:

@@ -17,8 +17,6 @@ from tandem.chaos.report import write_report
 from tandem.chaos.verdict import Summary
 from tandem.topology import load_topology
 
-BED_CLUSTER = Path(__file__).resolve().parents[2] / "deploy" / "cluster-testbed.yaml"
-
 
 def say(line: str) -> None:
     print(f"[chaos {time.strftime('%H:%M:%S')}] {line}", file=sys.stderr, flush=True)
@@ -29,10 +27,11 @@ def run_against(
 ) -> Summary:
     """Run ``plan`` against the Tandem at ``url`` (this process already joined to its Ray
     cluster), write the report into ``out``. ``bed``: the test bed it runs on (host faults)."""
+    from tandem import testbed
     from tandem.chaos.run import ChaosRun
 
     topology = load_topology(topology_file)
-    run = ChaosRun(plan, topology, url, say, bed, BED_CLUSTER if bed else None)
+    run = ChaosRun(plan, topology, url, say, bed, testbed.CLUSTER_FILE if bed else None)
     summary = asyncio.run(run.run())
     for path in write_report(summary, out):
         say(f"wrote {path}")
@@ -97,12 +96,10 @@ def run_on_bed(plan_file: str, nodes: int, topology_file: Path, out: Path) -> in
         raise ValueError(
             f"--testbed {nodes}: the topology's domains {topology.domains} need a host each"
         )
-    ray_cli = str(Path(sys.executable).with_name("ray"))
-    say(f"starting a test bed of {nodes} hosts, ray up {BED_CLUSTER.name}, tandem serve")
+    say(f"starting a test bed of {nodes} hosts, ray up {testbed.CLUSTER_FILE.name}, tandem serve")
     bed = testbed.up(nodes, topology.domains)
     try:
-        up = [ray_cli, "up", "-y", "--no-config-cache", str(BED_CLUSTER)]
-        subprocess.run(up, check=True, capture_output=True, timeout=300)
+        testbed.ray_up()
         serving = testbed.serve_on_head(bed, topology_file.resolve())
         try:
             head = bed.hosts[0]
@@ -121,8 +118,7 @@ def run_on_bed(plan_file: str, nodes: int, topology_file: Path, out: Path) -> in
             return subprocess.run(command, env=env, cwd=testbed.CHECKOUT).returncode
         finally:
             testbed.stop_serving(bed, serving)
-            down = [ray_cli, "down", "-y", str(BED_CLUSTER)]
-            subprocess.run(down, capture_output=True, timeout=120)
+            testbed.ray_down()
     finally:
         testbed.down()
 

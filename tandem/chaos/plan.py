@@ -133,6 +133,7 @@ class Phase(StrEnum):
     """Where in a request's life a worker fault fires (armed at ``at_s``; the next request
     on the worker to get there meets it)."""
 
+    QUEUED = "queued"  # the worker a request has just reached, before any of it is computed
     MID_PREFILL = "mid_prefill"  # the prefill worker, half-way through a prompt's layers
     MID_TRANSFER = "mid_transfer"  # the prefill worker, between KV chunks it sends
     FIRST_TOKEN = "first_token"  # the decode worker, at a request's first decode token
@@ -212,12 +213,19 @@ class Churn(_Timed):
     roles: list[Role] = Field(default_factory=lambda: [Role.PREFILL, Role.DECODE])
 
 
+_BUSY = (
+    "from at_s, wait up to this long until a request runs on a worker of the host(s), so the "
+    "fault strikes streams in flight (0: strike at at_s)"
+)
+
+
 class HostFault(_Timed):
     """Test bed only (``--testbed``): a whole host."""
 
     kind: Literal["kill_host", "partition_host"]
     host: int = Field(ge=1, description="the bed host's index (0 is the head: never a target)")
     duration_s: float = Field(8.0, gt=0, description="until healed / booted again")
+    busy_s: float = Field(0.0, ge=0, le=120, description=_BUSY)
 
 
 class LoseDomain(_Timed):
@@ -226,6 +234,7 @@ class LoseDomain(_Timed):
     kind: Literal["lose_domain"]
     domain: str
     duration_s: float = Field(20.0, gt=0, description="until its hosts boot again")
+    busy_s: float = Field(0.0, ge=0, le=120, description=_BUSY)
 
 
 Fault = Annotated[

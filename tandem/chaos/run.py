@@ -164,13 +164,14 @@ class ChaosRun:
                 await self._churn(fault)
                 return
             elif isinstance(fault, HostFault) and fault.kind == "kill_host":
-                event = await inj.kill_hosts("kill_host", inj.hosts(fault.host), fault.duration_s)
+                hosts = inj.hosts(fault.host)
+                event = await inj.kill_hosts("kill_host", hosts, fault.duration_s, fault.busy_s)
             elif isinstance(fault, HostFault):
                 [host] = inj.hosts(fault.host)
-                event = await inj.partition_host(host, fault.duration_s)
+                event = await inj.partition_host(host, fault.duration_s, fault.busy_s)
             else:
                 hosts = inj.hosts(domain=fault.domain)
-                event = await inj.kill_hosts("lose_domain", hosts, fault.duration_s)
+                event = await inj.kill_hosts("lose_domain", hosts, fault.duration_s, fault.busy_s)
             self.say(f"fault: {event.kind} {' '.join(event.workers)} {event.detail}".rstrip())
         except InjectError as exc:
             self.inject_errors.append(f"{fault.kind} at {fault.at_s:g} s: {exc}")

@@ -16,7 +16,6 @@ restarted, every worker up). CI runs the ones not marked ``bed_full``; ``make te
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -39,7 +38,6 @@ from tandem.topology import load_topology
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[2]
-CLUSTER = REPO / "deploy" / "cluster-testbed.yaml"
 TOPOLOGY = REPO / "deploy" / "topologies" / "testbed.yaml"
 HEAD = "10.213.0.1"
 URL = f"http://{HEAD}:8000"
@@ -58,10 +56,6 @@ def prompt_ids(i: int) -> list[int]:
     """Request ``i``'s prompt: 96 tokens, longer than the router's local_prefill_max_tokens,
     so a prefill worker computes it and ships its KV to a decode worker."""
     return [(17 * i + 31 * k) % 4000 + 50 for k in range(96)]
-
-
-def ray_cli() -> str:
-    return str(Path(sys.executable).with_name("ray"))
 
 
 def the_bed() -> Testbed:
@@ -155,16 +149,11 @@ class Served:
 
 @pytest.fixture(scope="module")
 def cluster(bed: Testbed) -> Iterator[Served]:
-    subprocess.run(
-        [ray_cli(), "up", "-y", "--no-config-cache", str(CLUSTER)],
-        check=True,
-        capture_output=True,
-        timeout=300,
-    )
+    testbed.ray_up()
     served = Served(bed, testbed.serve_on_head(bed, TOPOLOGY))
     yield served
     testbed.stop_serving(bed, served.proc)
-    subprocess.run([ray_cli(), "down", "-y", str(CLUSTER)], capture_output=True, timeout=120)
+    testbed.ray_down()
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +296,7 @@ def wait_all_up(timeout_s: float = 120.0) -> None:
 def bring_back(bed: Testbed, host: testbed.Host) -> None:
     """A dead host rebooted: its sshd, then its Ray node (the cluster file's commands)."""
     testbed.revive_host(bed, host)
-    testbed.restart_ray_node(bed, host, CLUSTER)
+    testbed.restart_ray_node(bed, host, testbed.CLUSTER_FILE)
     wait_all_up()
 
 

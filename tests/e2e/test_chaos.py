@@ -6,19 +6,26 @@ say what happened. The Prometheus counters the report's plots come from moved wi
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
+import threading
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 import ray
 
+from contracts.actors import NAMESPACE
+from tandem.chaos.inject import Injector, Worker
 from tandem.deployment import DEFAULT_TOPOLOGY
+from tandem.testbed import Host
+from tandem.topology import load_topology
 
 pytestmark = pytest.mark.e2e
 
@@ -72,6 +79,7 @@ def smoke(
         "png": out / "timeline.png",
         "before": before,
         "after": counters(url),
+        "url": url,
     }
 
 
@@ -124,3 +132,34 @@ def test_the_prometheus_counters_moved_with_the_faults(smoke: dict[str, Any]) ->
     assert moved('tandem_transport_failures_total{kind="integrity"}') >= 1  # the corrupt chunk
     assert moved("tandem_migrations_total") >= 1  # the mid-decode kill's stream
     assert moved("tandem_retries_total") >= 1  # the mid-transfer kill's request
+
+
+def test_a_host_fault_waits_until_a_request_runs_on_the_host(smoke: dict[str, Any]) -> None:
+    """``busy_s``: a host fault strikes once the router counts a request on one of the host's
+    workers, so it hits streams in flight (here: hosts standing for both domains, no bed)."""
+    topology = load_topology(DEFAULT_TOPOLOGY)
+    workers = [
+        Worker(w.name, w.role, w.domain, ray.get_actor(w.name, namespace=NAMESPACE))
+        for w in topology.workers()
+    ]
+    hosts = [Host("h-a", "10.213.0.2", "a"), Host("h-b", "10.213.0.3", "b")]
+    injector = Injector(workers, seed=0)
+    assert asyncio.run(injector.until_busy(hosts, 0.0)) == ""  # no wait asked for
+    assert asyncio.run(injector.until_busy(hosts, 0.5)) == ", nothing ran there in 0.5 s"
+    client = openai.OpenAI(base_url=f"{smoke['url']}/v1", api_key="none", max_retries=0)
+
+    def stream() -> None:
+        for _ in client.completions.create(
+            model=topology.model.name, prompt="one two three " * 20, max_tokens=400, stream=True
+        ):
+            pass
+
+    sender = threading.Thread(target=stream)
+    sender.start()
+    try:
+        said = asyncio.run(injector.until_busy(hosts, 30.0))
+    finally:
+        sender.join(timeout=120)
+    assert said.endswith(" busy") and said.removeprefix(", ").split()[0] in {
+        w.name for w in workers
+    }, said

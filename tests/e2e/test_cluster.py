@@ -149,6 +149,8 @@ def test_disaggregated_equals_colocated(cluster: Cluster, colocated: LLMEngine) 
 @pytest.mark.parametrize(
     "role, point, at, migrations",
     [
+        ("prefill", FaultPoint.ACCEPTED, 1, 0),  # queued on the prefill worker: retried
+        ("decode", FaultPoint.ACCEPTED, 1, 0),  # queued on the decode worker: retried
         ("prefill", FaultPoint.PREFILL_LAYERS, 1, 0),  # mid-transfer: retried, nothing sent yet
         ("decode", FaultPoint.DECODE_TOKENS, 4, 1),  # mid-stream: migrated after 4 tokens
     ],

@@ -111,6 +111,14 @@ def test_not_root_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
         testbed.check_possible()
 
 
+def test_a_missing_tool_is_named_with_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(testbed.os, "geteuid", lambda: 0)
+    present = {"ip", "ssh", "ssh-keygen"}
+    monkeypatch.setattr(testbed.shutil, "which", lambda tool: tool if tool in present else None)
+    with pytest.raises(TestbedUnavailable, match="`rsync` not found: install rsync"):
+        testbed.check_possible()
+
+
 def test_bad_shapes_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least one host"):
         testbed.up(0, state_dir=tmp_path)
@@ -194,7 +202,6 @@ def test_a_killed_host_loses_every_process_until_revived(state_dir: Path) -> Non
     assert reaches(h0.name, h1.address)
 
 
-CLUSTER = Path(__file__).resolve().parents[2] / "deploy" / "cluster-testbed.yaml"
 NODES_PROBE = (
     "import json, ray\n"
     "ray.init(address='10.213.0.1:6379', logging_level='ERROR', log_to_driver=False)\n"
@@ -210,15 +217,9 @@ def test_ray_up_starts_a_cluster_labelled_by_host_on_the_bed(state_dir: Path) ->
     import json
     import sys
 
-    ray_cli = str(Path(sys.executable).with_name("ray"))
     testbed.up(3, ["a", "b", "c"])  # the default state dir: the cluster file reads it
     try:
-        subprocess.run(
-            [ray_cli, "up", "-y", "--no-config-cache", str(CLUSTER)],
-            check=True,
-            capture_output=True,
-            timeout=300,
-        )
+        testbed.ray_up()
         env = {"PATH": "/usr/bin:/bin", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
         nodes: dict[str, str] = {}
         deadline = time.monotonic() + 120
@@ -234,9 +235,7 @@ def test_ray_up_starts_a_cluster_labelled_by_host_on_the_bed(state_dir: Path) ->
             if out.returncode == 0:
                 nodes = json.loads(out.stdout.strip().splitlines()[-1])
         assert nodes == {"10.213.0.1": "a", "10.213.0.2": "b", "10.213.0.3": "c"}
-        subprocess.run(
-            [ray_cli, "down", "-y", str(CLUSTER)], check=True, capture_output=True, timeout=120
-        )
+        testbed.ray_down(check=True)
     finally:
         testbed.down()
     assert testbed.namespaces() == [] and testbed.links() == []
