@@ -330,7 +330,7 @@ def faults(bed: testbed.Testbed, clients: int) -> tuple[list[dict[str, Any]], Lo
         records.append(fault_record(bed, load, "kill host c", at, ["decode-1"], logged))
         records[-1]["revived_s"] = time.time() - at
         testbed.revive_host(bed, bed.hosts[2])
-        testbed.restart_ray_node(bed, bed.hosts[2], testbed.CLUSTER_FILE)
+        testbed.restart_ray_node(bed, bed.hosts[2])
         wait_all_up(bed)
         rejoin_record(bed, records[-1], logged)
         time.sleep(8)

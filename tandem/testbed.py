@@ -216,7 +216,7 @@ def revive_host(bed: Testbed, host: Host) -> None:
     _wait_ready(Testbed([host], bed.bridge_address, bed.key, bed.state_dir))
 
 
-def restart_ray_node(bed: Testbed, host: Host, cluster_file: Path) -> None:
+def restart_ray_node(bed: Testbed, host: Host, cluster_file: Path = CLUSTER_FILE) -> None:
     """Start ``host``'s Ray node again (after :func:`revive_host`, or to replace a node Ray
     declared dead) with the start commands of the ``ray up`` file that launched the bed's
     cluster: the head's if ``host`` is its ``head_ip``, else the workers'."""

@@ -16,7 +16,6 @@ import random
 import signal
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -121,11 +120,9 @@ class Injector:
         workers: list[Worker],
         seed: int,
         bed: Testbed | None = None,
-        cluster_file: Path | None = None,
     ) -> None:
         self.workers = {w.name: w for w in workers}
-        self.bed = bed  # host faults need one (a test bed, and the `ray up` file it runs)
-        self.cluster_file = cluster_file
+        self.bed = bed  # host faults need one (launched with testbed.CLUSTER_FILE)
         self.rng = random.Random(seed)
         self.events: list[FaultEvent] = []
         self._agents: dict[str, Any] = {}
@@ -350,10 +347,10 @@ class Injector:
             FaultEvent(kind, at, self._on(hosts), detail=f"{names} for {seconds:g} s{busy}")
         )
         await asyncio.sleep(seconds)
-        assert self.bed is not None and self.cluster_file is not None
+        assert self.bed is not None
         for host in hosts:
             await asyncio.to_thread(testbed.revive_host, self.bed, host)
-            await asyncio.to_thread(testbed.restart_ray_node, self.bed, host, self.cluster_file)
+            await asyncio.to_thread(testbed.restart_ray_node, self.bed, host)
         return event
 
     async def partition_host(self, host: Host, seconds: float, busy_s: float = 0.0) -> FaultEvent:

@@ -27,11 +27,10 @@ def run_against(
 ) -> Summary:
     """Run ``plan`` against the Tandem at ``url`` (this process already joined to its Ray
     cluster), write the report into ``out``. ``bed``: the test bed it runs on (host faults)."""
-    from tandem import testbed
     from tandem.chaos.run import ChaosRun
 
     topology = load_topology(topology_file)
-    run = ChaosRun(plan, topology, url, say, bed, testbed.CLUSTER_FILE if bed else None)
+    run = ChaosRun(plan, topology, url, say, bed)
     summary = asyncio.run(run.run())
     for path in write_report(summary, out):
         say(f"wrote {path}")

@@ -18,7 +18,6 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -64,7 +63,6 @@ class ChaosRun:
         url: str,
         say: Say,
         bed: Testbed | None = None,
-        cluster_file: Path | None = None,
     ) -> None:
         self.plan = plan
         self.topology = topology
@@ -75,7 +73,7 @@ class ChaosRun:
             Worker(s.name, s.role, s.domain, ray.get_actor(s.name, namespace=NAMESPACE))
             for s in topology.workers()
         ]
-        self.injector = Injector(self.workers, plan.load.seed, bed, cluster_file)
+        self.injector = Injector(self.workers, plan.load.seed, bed)
         self.sender = Sender(
             url, topology.model.name, plan.checks.hang_bound_s, plan.load.deadline_s
         )

@@ -296,7 +296,7 @@ def wait_all_up(timeout_s: float = 120.0) -> None:
 def bring_back(bed: Testbed, host: testbed.Host) -> None:
     """A dead host rebooted: its sshd, then its Ray node (the cluster file's commands)."""
     testbed.revive_host(bed, host)
-    testbed.restart_ray_node(bed, host, testbed.CLUSTER_FILE)
+    testbed.restart_ray_node(bed, host)
     wait_all_up()
 
 
