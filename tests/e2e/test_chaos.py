@@ -131,7 +131,10 @@ def test_the_prometheus_counters_moved_with_the_faults(smoke: dict[str, Any]) ->
     assert moved("tandem_worker_failures_detected_total") >= 3  # three kills
     assert moved('tandem_transport_failures_total{kind="integrity"}') >= 1  # the corrupt chunk
     assert moved("tandem_migrations_total") >= 1  # the mid-decode kill's stream
-    assert moved("tandem_retries_total") >= 1  # the mid-transfer kill's request
+    # The mid-transfer kill's and the corrupt chunk's requests start new attempts too: retries
+    # if no token had reached the client yet, else migrations (the KV sender may lag the
+    # prefill's first token), so only the sum is fixed.
+    assert moved("tandem_retries_total") + moved("tandem_migrations_total") >= 3
 
 
 def test_a_host_fault_waits_until_a_request_runs_on_the_host(smoke: dict[str, Any]) -> None:
