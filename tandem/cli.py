@@ -1,6 +1,7 @@
-"""The ``tandem`` command line: ``demo-model``, ``generate`` (one engine, in process) and
-``serve`` (the OpenAI API of a cluster on Ray Serve: tandem/serve.py). Heavy imports happen
-inside the commands, so ``tandem --help`` is quick."""
+"""The ``tandem`` command line: ``demo-model``, ``generate`` (one engine, in process),
+``serve`` (the OpenAI API of a cluster on Ray Serve: tandem/serve.py), ``status`` and
+``testbed``; packages above this one add theirs through the ``tandem.commands`` entry point
+(``chaos``). Heavy imports happen inside the commands, so ``tandem --help`` is quick."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+from importlib.metadata import entry_points
 from pathlib import Path
 
 
@@ -146,30 +148,6 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--json", action="store_true", help="print the raw JSON")
     st.set_defaults(func=cmd_status)
 
-    ch = sub.add_parser("chaos", help="run a fault plan against Tandem under load; report")
-    ch_sub = ch.add_subparsers(dest="chaos_command", required=True)
-    ch_run = ch_sub.add_parser("run", help="run PLAN (a file, or a shipped plan's name)")
-    ch_run.add_argument("plan")
-    ch_run.add_argument(
-        "--topology", default=None, help="the cluster's topology YAML (default: local.yaml)"
-    )
-    ch_run.add_argument(
-        "--address", default=None, help="a running cluster's Ray address (default: start one)"
-    )
-    ch_run.add_argument("--url", default=None, help="its HTTP endpoint (with --address)")
-    ch_run.add_argument("--out", default=None, help="report directory (default: chaos-reports/)")
-    ch_run.add_argument(
-        "--testbed",
-        type=int,
-        default=None,
-        metavar="N",
-        help="on a test bed of N hosts started for the run (root; default topology testbed.yaml)",
-    )
-    ch_run.add_argument("--on-bed", action="store_true", help=argparse.SUPPRESS)
-    ch_run.set_defaults(func=cmd_chaos_run)
-    ch_plans = ch_sub.add_parser("plans", help="the shipped plans, a line each")
-    ch_plans.set_defaults(func=cmd_chaos_plans)
-
     tb = sub.add_parser("testbed", help="hosts in network namespaces on this machine (root)")
     tb_sub = tb.add_subparsers(dest="testbed_command", required=True)
     tb_up = tb_sub.add_parser("up", help="start the hosts (keeps a running bed of this shape)")
@@ -179,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     tb_up.set_defaults(func=cmd_testbed_up)
     tb_down = tb_sub.add_parser("down", help="remove every host, link, process and key")
     tb_down.set_defaults(func=cmd_testbed_down)
+    # Commands of the packages above this one (`tandem chaos`): they add themselves through
+    # the `tandem.commands` entry point, so this package imports none of them.
+    for command in entry_points(group="tandem.commands"):
+        command.load()(sub)
     return p
 
 
@@ -249,23 +231,6 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 def _cell(value: object) -> str:
     return f"{value:.0%}" if isinstance(value, float) else str(value)
-
-
-def cmd_chaos_run(a: argparse.Namespace) -> int:
-    from tandem.chaos.main import run_command
-    from tandem.deployment import DEFAULT_TOPOLOGY
-
-    bed_topology = DEFAULT_TOPOLOGY.with_name("testbed.yaml")
-    default = bed_topology if a.testbed is not None else DEFAULT_TOPOLOGY
-    topology = Path(a.topology) if a.topology else default
-    out = Path(a.out) if a.out else None
-    return run_command(a.plan, topology, a.address, a.url, out, a.testbed, a.on_bed)
-
-
-def cmd_chaos_plans(a: argparse.Namespace) -> int:
-    from tandem.chaos.main import plans_command
-
-    return plans_command()
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

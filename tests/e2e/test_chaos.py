@@ -21,8 +21,8 @@ import openai
 import pytest
 import ray
 
+from chaos.inject import Injector, Worker
 from contracts.actors import NAMESPACE
-from tandem.chaos.inject import Injector, Worker
 from tandem.deployment import DEFAULT_TOPOLOGY
 from tandem.testbed import Host
 from tandem.topology import load_topology

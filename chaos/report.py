@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem.chaos.verdict import Summary
+from chaos.verdict import Summary
 
 
 def write_report(summary: Summary, out: Path) -> list[Path]:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.chaos.inject import FaultEvent
-from tandem.chaos.load import ChoiceOut, Outcome
-from tandem.chaos.reference import Expected
-from tandem.chaos.verdict import (
+from chaos.inject import FaultEvent
+from chaos.load import ChoiceOut, Outcome
+from chaos.reference import Expected
+from chaos.verdict import (
     RECOVERY_WINDOW_S,
     Attempt,
     detection_s,

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from tandem.chaos.load import schedule
-from tandem.chaos.plan import (
+from chaos.load import schedule
+from chaos.plan import (
     PLANS_DIR,
     ChaosPlan,
     KillWorker,

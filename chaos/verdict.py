@@ -9,9 +9,9 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from tandem.chaos.inject import FaultEvent
-from tandem.chaos.load import Outcome, percentile
-from tandem.chaos.reference import Expected
+from chaos.inject import FaultEvent
+from chaos.load import Outcome, percentile
+from chaos.reference import Expected
 
 STEADY_WINDOW_S = 10.0  # before a fault: what "steady" is measured over
 RECOVERY_WINDOW_S = 5.0  # after it: each window judged against steady

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tandem.chaos.plan import ChaosPlan, load_plan, shipped_plans
-from tandem.chaos.report import write_report
-from tandem.chaos.verdict import Summary
+from chaos.plan import ChaosPlan, load_plan, shipped_plans
+from chaos.report import write_report
+from chaos.verdict import Summary
 from tandem.topology import load_topology
 
 
@@ -27,7 +27,7 @@ def run_against(
 ) -> Summary:
     """Run ``plan`` against the Tandem at ``url`` (this process already joined to its Ray
     cluster), write the report into ``out``. ``bed``: the test bed it runs on (host faults)."""
-    from tandem.chaos.run import ChaosRun
+    from chaos.run import ChaosRun
 
     topology = load_topology(topology_file)
     run = ChaosRun(plan, topology, url, say, bed)

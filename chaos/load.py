@@ -19,7 +19,7 @@ from typing import Any
 
 import openai
 
-from tandem.chaos.plan import Load
+from chaos.plan import Load
 
 # Prompts are made of these, so they tokenize like English text.
 WORDS = (

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tandem.chaos.report import write_report
-from tandem.chaos.verdict import Bin, Check, FaultRow, Summary
+from chaos.report import write_report
+from chaos.verdict import Bin, Check, FaultRow, Summary
 
 
 def summary(verdict: bool) -> Summary:

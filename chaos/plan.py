@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from contracts.roles import Role
 from tandem.topology import parse_yaml
 
-PLANS_DIR = Path(__file__).resolve().parents[2] / "deploy" / "chaos"
+PLANS_DIR = Path(__file__).resolve().parents[1] / "deploy" / "chaos"
 
 
 class PlanError(ValueError):

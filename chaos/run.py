@@ -22,11 +22,10 @@ from typing import Any
 
 import ray
 
-from contracts.actors import NAMESPACE, ROUTER_NAME
-from tandem.chaos import verdict as v
-from tandem.chaos.inject import FaultEvent, InjectError, Injector, Worker
-from tandem.chaos.load import Outcome, Planned, Sender, schedule
-from tandem.chaos.plan import (
+from chaos import verdict as v
+from chaos.inject import FaultEvent, InjectError, Injector, Worker
+from chaos.load import Outcome, Planned, Sender, schedule
+from chaos.plan import (
     AbortStorm,
     CancelRace,
     ChaosPlan,
@@ -40,7 +39,8 @@ from tandem.chaos.plan import (
     SlowWorker,
     Target,
 )
-from tandem.chaos.reference import Expected, expected, reference_engine
+from chaos.reference import Expected, expected, reference_engine
+from contracts.actors import NAMESPACE, ROUTER_NAME
 from tandem.launch import model_dir_of
 from tandem.testbed import Testbed
 from tandem.topology import Topology

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from chaos.inject import InjectError, Injector, Worker
+from chaos.plan import Target
 from contracts.roles import Role
-from tandem.chaos.inject import InjectError, Injector, Worker
-from tandem.chaos.plan import Target
 from tandem.testbed import Host, Testbed
 
 WORKERS = [

@@ -21,12 +21,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from chaos.plan import KVAction, Phase, Target
 from contracts.actors import NAMESPACE, ROUTER_NAME
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from contracts.roles import Role
 from contracts.routing import WorkerState
 from tandem import testbed
-from tandem.chaos.plan import KVAction, Phase, Target
 from tandem.testbed import Host, Testbed
 
 CALL_TIMEOUT_S = 10.0
