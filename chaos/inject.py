@@ -21,8 +21,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from chaos.plan import KVAction, Phase, Target
-from contracts.actors import NAMESPACE, ROUTER_NAME
+from chaos.plan import Phase, Target
+from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from contracts.roles import Role
 from contracts.routing import WorkerState
@@ -37,12 +37,6 @@ PHASE_POINTS = {
     Phase.MID_TRANSFER: (FaultPoint.TRANSFER_CHUNK, 2),
     Phase.FIRST_TOKEN: (FaultPoint.DECODE_TOKENS, 1),
     Phase.MID_DECODE: (FaultPoint.DECODE_TOKENS, 8),
-}
-KV_ACTIONS = {
-    KVAction.CORRUPT: FaultAction.CORRUPT,
-    KVAction.TRUNCATE: FaultAction.TRUNCATE,
-    KVAction.DROP: FaultAction.DROP,
-    KVAction.STALL: FaultAction.STALL,
 }
 
 
@@ -109,7 +103,7 @@ class Worker:
     name: str
     role: Role
     domain: str
-    handle: Any
+    client: WorkerClient
 
 
 class Injector:
@@ -190,25 +184,25 @@ class Injector:
     # -- faults --------------------------------------------------------------------------------
 
     async def kill_worker(self, worker: Worker, kind: str = "kill_worker") -> FaultEvent:
-        event = FaultEvent(kind, await self._kill(worker.handle), [worker.name])
+        event = FaultEvent(kind, await self._kill(worker.client.handle), [worker.name])
         return self.record(event)
 
     async def kill_at_phase(self, worker: Worker, phase: Phase, timeout_s: float) -> FaultEvent:
         """Arm a crash at ``phase`` on ``worker``; the event's time is when its process died,
         seen by a watcher on its node that runs before the crash is armed."""
         point, count = PHASE_POINTS[phase]
-        node, pid = await self.whereabouts(worker.handle)
+        node, pid = await self.whereabouts(worker.client.handle)
         watch = (await self.agent(node)).wait_gone.remote(pid, timeout_s)
         await asyncio.sleep(0.1)  # the watch has begun (the agent was ready)
-        await worker.handle.set_faults.remote(FaultPlan([Fault(point, FaultAction.CRASH, count)]))
+        await worker.client.set_faults(FaultPlan([Fault(point, FaultAction.CRASH, count)]))
         died = await watch
         if died is None:
-            await worker.handle.set_faults.remote(FaultPlan())
+            await worker.client.set_faults(FaultPlan())
             raise InjectError(f"{worker.name}: no request reached {phase} in {timeout_s:.0f} s")
         return self.record(FaultEvent("kill_worker", died, [worker.name], detail=str(phase)))
 
     async def hang_worker(self, worker: Worker, seconds: float) -> FaultEvent:
-        node, pid = await self.whereabouts(worker.handle)
+        node, pid = await self.whereabouts(worker.client.handle)
         await self.send(node, pid, signal.SIGSTOP)
         event = FaultEvent("hang_worker", time.time(), [worker.name], detail=f"{seconds:g} s")
         self.record(event)
@@ -222,7 +216,7 @@ class Injector:
     async def slow_worker(
         self, worker: Worker, seconds: float, stopped_share: float, period_s: float
     ) -> FaultEvent:
-        node, pid = await self.whereabouts(worker.handle)
+        node, pid = await self.whereabouts(worker.client.handle)
         agent = await self.agent(node)
         event = self.record(
             FaultEvent(
@@ -234,18 +228,18 @@ class Injector:
         return event
 
     async def kv_fault(
-        self, worker: Worker, action: KVAction, transfers: int, stall_s: float
+        self, worker: Worker, action: FaultAction, transfers: int, stall_s: float
     ) -> FaultEvent:
         """The next ``transfers`` KV streams ``worker`` sends are spoiled at their first layer;
         returns once they all were (the event lasts from arming to then)."""
         faults = [
-            Fault(FaultPoint.TRANSFER_CHUNK, KV_ACTIONS[action], at=1, seconds=stall_s)
+            Fault(FaultPoint.TRANSFER_CHUNK, action, at=1, seconds=stall_s)
             for _ in range(transfers)
         ]
-        await worker.handle.set_faults.remote(FaultPlan(faults))
+        await worker.client.set_faults(FaultPlan(faults))
         event = FaultEvent("kv_fault", time.time(), [worker.name], detail=f"{action} x{transfers}")
         self.record(event)
-        while await worker.handle.faults_pending.remote():
+        while await worker.client.faults_pending():
             await asyncio.sleep(0.1)
         event.until = time.time()
         return event
@@ -320,11 +314,11 @@ class Injector:
         if timeout_s <= 0:
             return ""
         names = set(self._on(hosts))
-        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        router = RouterClient(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))
         until = time.monotonic() + timeout_s
         while time.monotonic() < until:
             states: list[WorkerState] = await asyncio.wait_for(
-                router.worker_states.remote(), CALL_TIMEOUT_S
+                router.worker_states(), CALL_TIMEOUT_S
             )
             busy = sorted(s.name for s in states if s.name in names and s.load > 0)
             if busy:

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from contracts.faults import FaultAction
 from contracts.roles import Role
 from tandem.topology import parse_yaml
 
@@ -167,19 +168,23 @@ class SlowWorker(_Timed):
     period_s: float = Field(0.1, gt=0, le=1)
 
 
-class KVAction(StrEnum):
-    CORRUPT = "corrupt"  # one byte of a chunk flipped, checksums as they were
-    TRUNCATE = "truncate"  # half a chunk sent
-    DROP = "drop"  # a chunk skipped
-    STALL = "stall"  # the sender stops between chunks for `stall_s`
+# What a kv_fault may do to a KV stream: contracts.faults' vocabulary, the sender's data faults.
+KV_ACTIONS = (FaultAction.CORRUPT, FaultAction.TRUNCATE, FaultAction.DROP, FaultAction.STALL)
 
 
 class KVFault(_Timed):
     kind: Literal["kv_fault"]
-    action: KVAction
+    action: FaultAction = Field(description="corrupt, truncate, drop or stall (contracts.faults)")
     target: Target = Field(default_factory=lambda: Target(role=Role.PREFILL))
     transfers: int = Field(1, ge=1, le=100, description="how many transfers it spoils")
     stall_s: float = Field(2.0, gt=0)
+
+    @field_validator("action")
+    @classmethod
+    def _a_data_fault(cls, action: FaultAction) -> FaultAction:
+        if action not in KV_ACTIONS:
+            raise ValueError(f"{action} is not one of {', '.join(KV_ACTIONS)}")
+        return action
 
 
 class KillRouter(_Timed):
@@ -297,6 +302,14 @@ class ChaosPlan(_Section):
             if isinstance(fault, HostFault | LoseDomain) and not self.testbed:
                 raise ValueError(f"faults.{i}: {fault.kind} needs `testbed: true`")
         return self
+
+
+def fault_kinds() -> list[str]:
+    """Every ``kind`` a plan's fault may have (a class may have several: HostFault)."""
+    [members, _] = get_args(Fault)
+    return [
+        kind for cls in get_args(members) for kind in get_args(cls.model_fields["kind"].annotation)
+    ]
 
 
 def load_plan(path: str | Path) -> ChaosPlan:

@@ -12,7 +12,6 @@ cluster, then every check (docs/design.md#chaos).
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import urllib.request
 from collections import Counter
@@ -24,23 +23,11 @@ import ray
 
 from chaos import verdict as v
 from chaos.inject import FaultEvent, InjectError, Injector, Worker
+from chaos.injections import INJECTIONS
 from chaos.load import Outcome, Planned, Sender, schedule
-from chaos.plan import (
-    AbortStorm,
-    CancelRace,
-    ChaosPlan,
-    Churn,
-    HangWorker,
-    HostFault,
-    KillIngress,
-    KillRouter,
-    KillWorker,
-    KVFault,
-    SlowWorker,
-    Target,
-)
+from chaos.plan import ChaosPlan, Churn, Fault
 from chaos.reference import Expected, expected, reference_engine
-from contracts.actors import NAMESPACE, ROUTER_NAME
+from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient
 from tandem.launch import model_dir_of
 from tandem.testbed import Testbed
 from tandem.topology import Topology
@@ -48,8 +35,6 @@ from tandem.topology import Topology
 Say = Callable[[str], None]
 POLL_S = 0.5
 WARMUP_S = 5.0  # the first seconds of load are not a steady window
-RACE_WAIT_S = 10.0  # a cancel race waits this long for a stream on its worker
-STORM_WAIT_S = 30.0  # an abort storm waits this long for its open streams
 
 
 class ChaosRun:
@@ -68,9 +53,11 @@ class ChaosRun:
         self.topology = topology
         self.url = url
         self.say = say
-        self.router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        self.router = RouterClient(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))
         self.workers = [
-            Worker(s.name, s.role, s.domain, ray.get_actor(s.name, namespace=NAMESPACE))
+            Worker(
+                s.name, s.role, s.domain, WorkerClient(ray.get_actor(s.name, namespace=NAMESPACE))
+            )
             for s in topology.workers()
         ]
         self.injector = Injector(self.workers, plan.load.seed, bed)
@@ -111,8 +98,8 @@ class ChaosRun:
         leaks = await self._check_idle(self.plan.checks.settle_s)
         poller.cancel()
         await asyncio.gather(poller, progress, return_exceptions=True)
-        await self._read_decisions()
-        self.health = await _ask(self.router.health_events.remote(), [])
+        await self.read_decisions()
+        self.health = await _ask(self.router.health_events(), [])
         records = await self._records()
         requests_after = _requests_total(self.url)
         self.say("computing the fault-free reference")
@@ -129,48 +116,12 @@ class ChaosRun:
             (requests_before, requests_after),
         )
 
-    async def _fault(self, fault: Any, start: float) -> None:
+    async def _fault(self, fault: Fault, start: float) -> None:
         await asyncio.sleep(max(0.0, start + fault.at_s - time.time()))
-        inj = self.injector
         try:
-            if isinstance(fault, KillWorker):
-                worker = inj.pick(fault.target)
-                if fault.phase is None:
-                    event = await inj.kill_worker(worker)
-                else:
-                    rest = start + self.plan.load.arrivals.duration_s - time.time()
-                    event = await inj.kill_at_phase(worker, fault.phase, max(rest, 5.0))
-            elif isinstance(fault, HangWorker):
-                event = await inj.hang_worker(inj.pick(fault.target), fault.duration_s)
-            elif isinstance(fault, SlowWorker):
-                event = await inj.slow_worker(
-                    inj.pick(fault.target), fault.duration_s, fault.stopped_share, fault.period_s
-                )
-            elif isinstance(fault, KVFault):
-                event = await inj.kv_fault(
-                    inj.pick(fault.target), fault.action, fault.transfers, fault.stall_s
-                )
-            elif isinstance(fault, KillRouter):
-                event = await inj.kill_router()
-            elif isinstance(fault, KillIngress):
-                event = await inj.kill_ingress(self.url)
-            elif isinstance(fault, AbortStorm):
-                event = await self._abort_storm(fault)
-            elif isinstance(fault, CancelRace):
-                event = await self._cancel_race(fault)
-            elif isinstance(fault, Churn):
-                await self._churn(fault)
-                return
-            elif isinstance(fault, HostFault) and fault.kind == "kill_host":
-                hosts = inj.hosts(fault.host)
-                event = await inj.kill_hosts("kill_host", hosts, fault.duration_s, fault.busy_s)
-            elif isinstance(fault, HostFault):
-                [host] = inj.hosts(fault.host)
-                event = await inj.partition_host(host, fault.duration_s, fault.busy_s)
-            else:
-                hosts = inj.hosts(domain=fault.domain)
-                event = await inj.kill_hosts("lose_domain", hosts, fault.duration_s, fault.busy_s)
-            self.say(f"fault: {event.kind} {' '.join(event.workers)} {event.detail}".rstrip())
+            event = await INJECTIONS[fault.kind](self, fault, start)
+            if event is not None:
+                self.say(f"fault: {event.kind} {' '.join(event.workers)} {event.detail}".rstrip())
         except InjectError as exc:
             self.inject_errors.append(f"{fault.kind} at {fault.at_s:g} s: {exc}")
             self.say(f"fault not done: {fault.kind}: {exc}")
@@ -183,55 +134,10 @@ class ChaosRun:
                 self.inject_errors.append(f"{fault.kind} at {fault.at_s:g} s: {why}")
             raise
 
-    async def _abort_storm(self, fault: AbortStorm) -> FaultEvent:
-        """Drop ``fraction`` of the open streams at once (once ``min_open`` are open)."""
-        until = time.time() + STORM_WAIT_S
-        while len(self.sender.open) < fault.min_open:
-            if time.time() >= until:
-                raise InjectError(
-                    f"only {len(self.sender.open)} streams open, {fault.min_open} wanted"
-                )
-            await asyncio.sleep(0.05)
-        open_now = sorted(self.sender.open)
-        dropped = self.injector.rng.sample(open_now, math.ceil(fault.fraction * len(open_now)))
-        self.sender.drop(dropped)
-        event = FaultEvent(
-            "abort_storm", time.time(), everyone=True, detail=f"{len(dropped)} of {len(open_now)}"
-        )
-        return self.injector.record(event)
-
-    async def _cancel_race(self, fault: CancelRace) -> FaultEvent:
-        """Drop up to ``streams`` open streams decoding on the target as it is killed (waiting
-        up to RACE_WAIT_S for one to be there)."""
-        worker = self.injector.pick(fault.target)
-        until = time.time() + RACE_WAIT_S
-        while True:
-            await self._read_decisions()
-            on_it = [i for i in sorted(self.sender.open) if self._decoding_on(i, worker.name)]
-            if on_it or time.time() >= until:
-                break
-            await asyncio.sleep(0.05)
-        self.sender.drop(on_it[: fault.streams])
-        event = await self.injector.kill_worker(worker, kind="cancel_race")
-        event.detail = f"{len(on_it[: fault.streams])} streams dropped"
-        return event
-
-    def _decoding_on(self, index: int, worker: str) -> bool:
+    def decoding_on(self, index: int, worker: str) -> bool:
         """Whether request ``index``'s latest attempt decodes on ``worker``."""
         attempts = self._attempts_of(self.sender.outcomes[index].response_id)
         return bool(attempts) and attempts[-1].decode == worker
-
-    async def _churn(self, fault: Churn) -> None:
-        until = time.time() + fault.for_s
-        while time.time() < until:
-            worker = self.injector.pick(Target(), roles=fault.roles)
-            try:
-                event = await self.injector.kill_worker(worker, kind="churn")
-                self.say(f"churn: killed {worker.name}")
-            except InjectError as exc:  # still restarting from the last kill
-                self.inject_errors.append(f"churn: {exc}")
-                continue
-            await asyncio.sleep(max(0.0, event.at + fault.every_s - time.time()))
 
     async def _progress(self, start: float, total: int) -> None:
         while True:
@@ -246,11 +152,11 @@ class ChaosRun:
 
     async def _poll_decisions(self) -> None:
         while True:
-            await self._read_decisions()
+            await self.read_decisions()
             await asyncio.sleep(POLL_S)
 
-    async def _read_decisions(self) -> None:
-        for line in await _ask(self.router.decisions.remote(), []):
+    async def read_decisions(self) -> None:
+        for line in await _ask(self.router.decisions(), []):
             self.attempts[line["request_id"]] = v.Attempt(
                 line["request_id"], line["prefill"], line["decode"]
             )
@@ -274,7 +180,7 @@ class ChaosRun:
             while True:
                 try:
                     left = max(1.0, until - time.time())
-                    await asyncio.wait_for(w.handle.check_idle.remote(), timeout=left)
+                    await asyncio.wait_for(w.client.check_idle(), timeout=left)
                     leaks.pop(w.name, None)
                     break
                 except Exception as exc:
@@ -287,7 +193,7 @@ class ChaosRun:
     async def _records(self) -> dict[str, list[dict[str, Any]]]:
         out = {}
         for w in self.workers:
-            rows = await _ask(w.handle.records.remote(), [])
+            rows = await _ask(w.client.records(), [])
             out[w.name] = [{**asdict(r), "status": r.status.value} for r in rows]
         return out
 

@@ -151,6 +151,9 @@ class WorkerClient:
     def pid(self) -> ObjectRef[int]:
         return self.handle.pid.remote()
 
+    def faults_pending(self) -> ObjectRef[int]:
+        return self.handle.faults_pending.remote()
+
 
 class RouterClient:
     """The router actor's Ray handle with :class:`RouterAPI` as typed methods."""
@@ -191,6 +194,9 @@ class RouterClient:
 
     def decisions(self) -> ObjectRef[list[dict[str, Any]]]:
         return self.handle.decisions.remote()
+
+    def health_events(self) -> ObjectRef[list[dict[str, Any]]]:
+        return self.handle.health_events.remote()
 
     def worker_states(self) -> ObjectRef[list[WorkerState]]:
         return self.handle.worker_states.remote()

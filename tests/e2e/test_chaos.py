@@ -22,7 +22,7 @@ import pytest
 import ray
 
 from chaos.inject import Injector, Worker
-from contracts.actors import NAMESPACE
+from contracts.actors import NAMESPACE, WorkerClient
 from tandem.deployment import DEFAULT_TOPOLOGY
 from tandem.testbed import Host
 from tandem.topology import load_topology
@@ -142,7 +142,7 @@ def test_a_host_fault_waits_until_a_request_runs_on_the_host(smoke: dict[str, An
     workers, so it hits streams in flight (here: hosts standing for both domains, no bed)."""
     topology = load_topology(DEFAULT_TOPOLOGY)
     workers = [
-        Worker(w.name, w.role, w.domain, ray.get_actor(w.name, namespace=NAMESPACE))
+        Worker(w.name, w.role, w.domain, WorkerClient(ray.get_actor(w.name, namespace=NAMESPACE)))
         for w in topology.workers()
     ]
     hosts = [Host("h-a", "10.213.0.2", "a"), Host("h-b", "10.213.0.3", "b")]
