@@ -41,6 +41,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,8 @@ from typing import Any
 import requests
 
 from bench.served_bench import stop, wait_healthy
+from chaos.inject import ray_processes
+from chaos.load import InThread, Outcome, Sender, requests_of, send_one
 from tandem.serve import wait_port_free
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,54 +70,21 @@ def log(msg: str) -> None:
     print(f"[fault_bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-@dataclass
-class Outcome:
-    sent: float
-    status: int  # 0: no HTTP answer
-    tokens: int = 0
-    first_token: float | None = None
-    error: str | None = None
-    retry_after: bool = False
-    refused: bool = False  # the connection was refused: the request never reached a server
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.error is None
-
-
-def stream(url: str, prompt: str, max_tokens: int, model: str) -> Outcome:
-    sent = time.time()
-    payload: dict[str, Any] = {
-        "model": model,
+def body(prompt: str, max_tokens: int) -> dict[str, Any]:
+    """A greedy streamed completion of exactly ``max_tokens`` tokens (``logprobs: 0`` counts
+    them: chaos.load)."""
+    return {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
+        "logprobs": 0,
     }
-    try:
-        with requests.post(f"{url}/v1/completions", json=payload, stream=True, timeout=300) as r:
-            if r.status_code != 200:
-                return Outcome(sent, r.status_code, error=r.text[:200],
-                               retry_after="Retry-After" in r.headers)  # fmt: skip
-            out = Outcome(sent, 200)
-            for line in r.iter_lines():
-                if not line.startswith(b"data: {"):
-                    continue
-                chunk = json.loads(line.removeprefix(b"data: "))
-                if "error" in chunk:
-                    out.error = chunk["error"]["message"][:200]
-                elif chunk.get("usage"):
-                    out.tokens = chunk["usage"]["completion_tokens"]
-                else:
-                    out.first_token = out.first_token or time.time()
-            if out.error is None and out.tokens < max_tokens:
-                out.error = f"{out.tokens} of {max_tokens} tokens"
-            return out
-    except requests.RequestException as e:
-        refused = isinstance(e, requests.ConnectionError) and "refused" in str(e).lower()
-        return Outcome(sent, 0, error=type(e).__name__, refused=refused)
+
+
+def complete(o: Outcome, max_tokens: int) -> bool:
+    """Whether ``o`` got every token it asked for, with no error."""
+    return o.status == "ok" and o.num_tokens >= max_tokens
 
 
 @dataclass
@@ -141,23 +111,6 @@ def poll(url: str, out: Poll, stop_event: threading.Event) -> None:
         out.ok.append(good)
 
 
-def ray_processes(title: str, driver_pid: int) -> list[int]:
-    """The worker processes of the Ray that ``driver_pid`` started (children of its raylet)
-    whose command line (Ray's process title) contains ``title``: never another session's."""
-    procs: dict[int, tuple[int, bytes]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    procs[int(entry)] = (ppid, f.read())
-            except (OSError, ValueError, IndexError):
-                continue
-    raylets = {p for p, (pp, cmd) in procs.items() if pp == driver_pid and b"/raylet" in cmd}
-    return sorted(p for p, (pp, cmd) in procs.items() if pp in raylets and title.encode() in cmd)
-
-
 def inject(fault: str, server_pid: int) -> list[int]:
     title, count = TITLES[fault]
     pids = ray_processes(title, server_pid)[:count]
@@ -169,25 +122,19 @@ def inject(fault: str, server_pid: int) -> list[int]:
 
 
 def run_fault(url: str, fault: str, server_pid: int, a: argparse.Namespace) -> dict[str, Any]:
-    outcomes: list[Outcome] = []
     stop_event = threading.Event()
     polled = Poll()
     prompt = "The control plane survives its own faults. " * 4
     model = Path(a.model).name  # tandem serve names the model after its directory
 
-    def client() -> None:
-        deadline = time.time() + a.max_window_s + a.warmup_s
-        while not stop_event.is_set() and time.time() < deadline:
-            out = stream(url, prompt, a.max_tokens, model)
-            outcomes.append(out)
-            if out.refused:
-                time.sleep(0.1)  # as a client does: try again a moment later
+    def bodies() -> Iterator[dict[str, Any]]:
+        while True:
+            yield body(prompt, a.max_tokens)
 
-    threads = [threading.Thread(target=client, daemon=True) for _ in range(a.clients)]
+    sender = Sender(url, model, hang_bound_s=300.0)
+    load = InThread(sender, requests_of(bodies()), a.clients, a.max_window_s + a.warmup_s)
     poller = threading.Thread(target=poll, args=(url, polled, stop_event), daemon=True)
     poller.start()
-    for t in threads:
-        t.start()
     time.sleep(a.warmup_s)
     fault_at = time.time()
     pids = inject(fault, server_pid)
@@ -204,27 +151,32 @@ def run_fault(url: str, fault: str, server_pid: int, a: argparse.Namespace) -> d
         if len(recent) > tail and all(recent[-tail:]):
             break
     stop_event.set()
-    for t in threads:
-        t.join(timeout=300)
+    outcomes = load.join(timeout_s=300)
     poller.join(timeout=10)
-    after = [o for o in outcomes if o.sent > fault_at and o.first_token is not None]
+    after = [o.first_token for o in outcomes if (o.sent or 0) > fault_at and o.first_token]
     sent = [o for o in outcomes if not o.refused]
-    failed = [o for o in sent if not o.ok]
+    failed = [o for o in sent if not complete(o, a.max_tokens)]
+    # Failed before any token with an HTTP status; cut after the 200 (an error event, or too
+    # few tokens); or the connection broken (no status, no typed error).
+    before_token = [o for o in failed if o.http_status is not None]
+    connection = [
+        o for o in failed if o.status == "error" and o.http_status is None and o.error_type is None
+    ]
     return {
         "fault": fault,
         "requests": len(sent),
         "refused_connections": len(outcomes) - len(sent),
         "failed": len(failed),
-        "failed_status_before_token": sum(o.status not in (0, 200) for o in failed),
-        "failed_with_retry_after": sum(o.retry_after for o in failed),
-        "failed_cut_after_200": sum(o.status == 200 for o in failed),
-        "failed_connection": sum(o.status == 0 for o in failed),
+        "failed_status_before_token": len(before_token),
+        "failed_with_retry_after": sum(o.retry_after is not None for o in failed),
+        "failed_cut_after_200": len(failed) - len(before_token) - len(connection),
+        "failed_connection": len(connection),
         "outage_s": round(polled.outage_s(fault_at), 2),
-        "routing_back_s": round(min(o.first_token for o in after) - fault_at, 2)  # type: ignore[type-var, operator]
-        if after
-        else None,
+        "routing_back_s": round(min(after) - fault_at, 2) if after else None,
         "window_s": round(time.time() - fault_at, 1),
-        "errors": sorted({o.error or "" for o in failed})[:5],
+        "errors": sorted({o.error or f"{o.num_tokens} of {a.max_tokens} tokens" for o in failed})[
+            :5
+        ],
     }
 
 
@@ -232,7 +184,7 @@ def wait_serving(url: str, model: str, timeout_s: float = 300.0) -> None:
     """Until the endpoint answers a short completion (all restarted after the last fault)."""
     until = time.time() + timeout_s
     while time.time() < until:
-        if stream(url, "ready?", 4, model).ok:
+        if complete(send_one(url, model, body("ready?", 4)), 4):
             try:
                 if requests.get(f"{url}/health", timeout=5).status_code == 200:
                     return

@@ -33,6 +33,7 @@ from contracts.roles import Role
 from contracts.routing import RouteRequest, WorkerState
 from engine.kv_cache_manager import prefix_hashes
 from engine.kv_events import KVEvent, KVEventKind
+from engine.metrics import percentile
 from router.config import RouterConfig
 from router.policy import choose
 from router.prefix_index import PrefixIndex
@@ -139,17 +140,13 @@ def drift(rng: random.Random, workers: list[WorkerState]) -> None:
 
 
 def percentiles(samples_ns: list[int]) -> dict[str, float]:
-    s = sorted(samples_ns)
-
-    def at(q: float) -> float:
-        return s[min(len(s) - 1, int(q * len(s)))] / 1000.0
-
+    us = [ns / 1000.0 for ns in samples_ns]
     return {
-        "n": len(s),
-        "p50_us": at(0.5),
-        "p90_us": at(0.9),
-        "p99_us": at(0.99),
-        "max_us": s[-1] / 1000.0,
+        "n": len(us),
+        "p50_us": percentile(us, 50),
+        "p90_us": percentile(us, 90),
+        "p99_us": percentile(us, 99),
+        "max_us": max(us),
     }
 
 

@@ -10,7 +10,7 @@
    into a cache; pair groups and channels opened by one unmeasured pull first). GiB/s per run.
 2. **Startup.** From no bed: ``tandem testbed up`` -> ``ray up deploy/cluster-testbed.yaml`` ->
    ``tandem serve --address`` on the head answering ``/health`` -> the first completion.
-3. **Faults under load.** ``--clients`` closed-loop streaming clients (the official ``openai``
+3. **Faults under load.** ``--clients`` closed-loop streaming clients (chaos.load: the ``openai``
    client, 96-token prompts, 64 tokens each), tokens counted per 0.5 s. Kill host c (decode-1),
    then revive it and restart its Ray node; then partition host b (prefill-1, decode-0) for 8 s
    and heal it. For each fault: detection (the fault -> the router's health log marks the
@@ -23,6 +23,7 @@ Writes a table, ``bench/results/<out>.json`` and ``.png``. Needs root (the bed).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import socket
@@ -30,10 +31,13 @@ import statistics
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.engine_bench import RESULTS, log
+from chaos.load import InThread, Sender, requests_of
+from chaos.probe import wait_all_up
 from tandem import testbed
 
 TOPOLOGY = testbed.CHECKOUT / "deploy" / "topologies" / "testbed.yaml"
@@ -206,66 +210,36 @@ def model_name() -> str:
 
 
 class Load:
-    """Closed-loop streaming clients; ``events`` holds (time, tokens) per chunk."""
+    """Closed-loop streaming clients (chaos.load)."""
 
-    def __init__(self, base_url: str, clients: int) -> None:
-        import openai
+    def __init__(self, url: str, clients: int) -> None:
+        def bodies() -> Iterator[dict[str, Any]]:
+            for i in itertools.count():
+                prompt = [(17 * i + 31 * k) % 4000 + 50 for k in range(96)]
+                yield {"prompt": prompt, "max_tokens": 64, "temperature": 0, "logprobs": 0,
+                       "ignore_eos": True}  # fmt: skip
 
-        self.client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
-        self.events: list[tuple[float, int]] = []
-        self.failures: list[tuple[float, str]] = []
-        self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(clients)]
-        for t in self.threads:
-            t.start()
+        sender = Sender(url, model_name(), hang_bound_s=120.0)
+        self.load = InThread(sender, requests_of(bodies()), clients)
 
-    def _run(self, worker: int) -> None:
-        name, n = model_name(), 0
-        while not self.stop.is_set():
-            n += 1
-            prompt = [(17 * worker + 31 * k + n) % 4000 + 50 for k in range(96)]
-            try:
-                stream = self.client.completions.create(
-                    model=name,
-                    prompt=prompt,
-                    max_tokens=64,
-                    temperature=0,
-                    logprobs=0,
-                    stream=True,
-                    extra_body={"ignore_eos": True},
-                )
-                for chunk in stream:
-                    lp = chunk.choices[0].logprobs
-                    self.events.append((time.time(), len(lp.token_logprobs or []) if lp else 1))
-            except Exception as exc:
-                self.failures.append((time.time(), repr(exc)[:200]))
+    def events(self) -> list[tuple[float, int]]:
+        """(time, tokens) per chunk received, in time order."""
+        return sorted(e for o in self.load.outcomes() for e in o.token_times)
 
     def rate(self, start: float, end: float) -> float:
-        return sum(n for t, n in self.events if start <= t < end) / (end - start)
+        return sum(n for t, n in self.events() if start <= t < end) / (end - start)
+
+    def failures(self) -> list[tuple[float, str]]:
+        return [
+            (o.finished or 0.0, o.error or "") for o in self.load.outcomes() if o.status == "error"
+        ]
 
     def close(self) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join(150)
+        self.load.join(150)
 
 
 def health_events(bed: testbed.Testbed) -> list[dict[str, Any]]:
     return testbed.ask_router(bed, "health_events")  # type: ignore[no-any-return]
-
-
-def wait_all_up(bed: testbed.Testbed, timeout_s: float = 120.0) -> None:
-    import urllib.request
-
-    until = time.time() + timeout_s
-    while time.time() < until:
-        try:
-            with urllib.request.urlopen(f"{testbed.url(bed)}/v1/cluster", timeout=5) as r:
-                if {w["state"] for w in json.load(r)["workers"]} == {"up"}:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("the workers did not all come back up")
 
 
 def fault_record(
@@ -287,7 +261,7 @@ def fault_record(
         if recovered is None and r >= 0.9 * before:
             recovered = t + 2 - at
         t += 0.5
-    failed = [f for f in load.failures if f[0] >= at - 1]
+    failed = [f for f in load.failures() if f[0] >= at - 1]
     record = {
         "fault": name,
         "at": at,
@@ -319,7 +293,7 @@ def rejoin_record(bed: testbed.Testbed, record: dict[str, Any], logged: int) -> 
 
 
 def faults(bed: testbed.Testbed, clients: int) -> tuple[list[dict[str, Any]], Load]:
-    load = Load(f"{testbed.url(bed)}/v1", clients)
+    load = Load(testbed.url(bed), clients)
     records = []
     try:
         time.sleep(8)  # steady
@@ -331,7 +305,7 @@ def faults(bed: testbed.Testbed, clients: int) -> tuple[list[dict[str, Any]], Lo
         records[-1]["revived_s"] = time.time() - at
         testbed.revive_host(bed, bed.hosts[2])
         testbed.restart_ray_node(bed, bed.hosts[2])
-        wait_all_up(bed)
+        wait_all_up(testbed.url(bed))
         rejoin_record(bed, records[-1], logged)
         time.sleep(8)
         logged = len(health_events(bed))
@@ -343,7 +317,7 @@ def faults(bed: testbed.Testbed, clients: int) -> tuple[list[dict[str, Any]], Lo
         victims = ["prefill-1", "decode-0"]
         records.append(fault_record(bed, load, "partition host b (8 s)", at, victims, logged))
         records[-1]["healed_s"] = 8.0
-        wait_all_up(bed)
+        wait_all_up(testbed.url(bed))
         rejoin_record(bed, records[-1], logged)
     finally:
         load.close()
@@ -377,7 +351,7 @@ def main() -> None:
         "startup": phases,
         "faults": records,
         "clients": a.clients,
-        "timeline": [[t, n] for t, n in load.events],
+        "timeline": [[t, n] for t, n in load.events()],
     }
     print_table(result)
     RESULTS.mkdir(exist_ok=True)

@@ -94,6 +94,24 @@ class NodeAgent:
             os.kill(pid, signal.SIGCONT)
 
 
+def ray_processes(title: str, driver_pid: int) -> list[int]:
+    """The worker processes of the Ray that ``driver_pid`` started (children of its raylet)
+    whose command line (Ray's process title) contains ``title``: never another session's.
+    For killing a local cluster's processes by what they run (``ray::RouterActor``)."""
+    procs: dict[int, tuple[int, bytes]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    procs[int(entry)] = (ppid, f.read())
+            except (OSError, ValueError, IndexError):
+                continue
+    raylets = {p for p, (pp, cmd) in procs.items() if pp == driver_pid and b"/raylet" in cmd}
+    return sorted(p for p, (pp, cmd) in procs.items() if pp in raylets and title.encode() in cmd)
+
+
 def _whereabouts(_: Any) -> tuple[str, int]:
     return ray.get_runtime_context().get_node_id(), os.getpid()
 

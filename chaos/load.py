@@ -1,19 +1,23 @@
-"""The chaos run's load: a fixed schedule of OpenAI completion requests (drawn from the plan's
-seed, so two runs of a plan send the same requests at the same offsets), sent open-loop by the
-official ``openai`` client as a user's program would, each one's outcome recorded.
+"""The load generator of the chaos harness, the benchmarks and the e2e tests: OpenAI completion
+requests sent by the official ``openai`` client as a user's program would (open loop at planned
+times, or closed loop: clients sending back to back), each one's outcome recorded. A chaos run's
+requests are a fixed schedule drawn from the plan's seed, so two runs of a plan send the same
+requests at the same offsets.
 
-Every request asks for ``logprobs: 1``: the tokens and logprobs that come back are what the
-run compares with the reference engine (a duplicated or missing token shows there), and they
-count a stream's tokens however the server grouped them into events.
+A stream's tokens are counted from its ``logprobs`` (every chaos request asks for
+``logprobs: 1``; other callers ask for ``logprobs: 0`` to count them): however the server grouped
+them into events, and in a chaos run they are what is compared with the reference engine (a
+duplicated or missing token shows there).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import random
+import threading
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +47,9 @@ class Planned:
     index: int
     send_at: float  # seconds after the run's start
     body: dict[str, Any]  # the completion request's fields (model added at send time)
-    api_key: str
-    stream: bool
-    cancel_after: int | None  # the client hangs up after this many tokens
+    api_key: str = "none"
+    stream: bool = True
+    cancel_after: int | None = None  # the client hangs up after this many tokens
 
 
 @dataclass
@@ -70,7 +74,9 @@ class Outcome:
     # error: a status or an error event (typed when the body named a type/code); hung: still
     # open at its bound (the runner gave up on it)
     status: str = "pending"
-    http_status: int | None = None
+    http_status: int | None = None  # an error status the server answered with
+    retry_after: str | None = None  # that answer's Retry-After header
+    refused: bool = False  # the connection was refused: the request reached no server
     error_type: str | None = None  # the OpenAI error object's type or code; None: untyped
     error: str | None = None
     response_id: str | None = None
@@ -82,6 +88,11 @@ class Outcome:
     @property
     def num_tokens(self) -> int:
         return sum(len(c.tokens) for c in self.choices.values())
+
+    @property
+    def text(self) -> str:
+        """The first choice's text (all of an ``n: 1`` request's answer)."""
+        return self.choices[0].text if 0 in self.choices else ""
 
 
 def schedule(load: Load) -> list[Planned]:
@@ -165,10 +176,12 @@ def _arrivals(load: Load, rng: random.Random) -> tuple[list[float], list[tuple[i
 
 
 class Sender:
-    """Sends the schedule open-loop against ``url`` and keeps every request's Outcome. Open
-    streams can be dropped from outside (:meth:`drop`): an abort storm, a cancel race."""
+    """Sends requests against ``url`` and keeps every request's Outcome. Open streams can be
+    dropped from outside (:meth:`drop`): an abort storm, a cancel race."""
 
-    def __init__(self, url: str, model: str, hang_bound_s: float, deadline_s: float | None):
+    def __init__(
+        self, url: str, model: str, hang_bound_s: float = 120.0, deadline_s: float | None = None
+    ):
         self.url = url
         self.model = model
         self.hang_bound_s = hang_bound_s
@@ -176,6 +189,7 @@ class Sender:
         self.outcomes: dict[int, Outcome] = {}
         self.open: dict[int, asyncio.Task[None]] = {}  # streams with at least one token
         self.max_dispatch_delay_s = 0.0
+        self.stopping = False  # closed loops send nothing more (set from any thread)
         self._clients: dict[str, openai.AsyncOpenAI] = {}
 
     def client(self, api_key: str) -> openai.AsyncOpenAI:
@@ -204,20 +218,23 @@ class Sender:
         await asyncio.gather(*tasks)
 
     async def run_closed(
-        self, plan: list[Planned], start: float, clients: int, duration_s: float
+        self, plan: Iterable[Planned], start: float, clients: int, duration_s: float
     ) -> None:
-        """``clients`` loops, each sending the schedule's next request as soon as its last one
-        ended, until ``duration_s`` after ``start``; return when all ended."""
+        """``clients`` loops, each sending the plan's next request as soon as its last one
+        ended (0.1 s after a refused connection, as a client tries again), until
+        ``duration_s`` after ``start`` or :attr:`stopping`; return when all ended."""
         queue = iter(plan)
 
         async def client() -> None:
-            while time.time() < start + duration_s:
+            while time.time() < start + duration_s and not self.stopping:
                 item = next(queue, None)
                 if item is None:
                     return
                 outcome = Outcome(item.index, scheduled=time.time())
                 self.outcomes[item.index] = outcome
                 await self._bounded(item, outcome)
+                if outcome.refused:
+                    await asyncio.sleep(0.1)
 
         await asyncio.sleep(max(0.0, start - time.time()))
         await asyncio.gather(*(client() for _ in range(clients)))
@@ -243,12 +260,16 @@ class Sender:
 
     async def _send(self, item: Planned, outcome: Outcome) -> None:
         client = self.client(item.api_key)
+        # Fields the client does not declare (ignore_eos, ...) go as extra body fields.
+        body = {k: v for k, v in item.body.items() if k != "prompt"}
         outcome.sent = time.time()
         try:
             if item.stream:
-                await self._stream(client, item, outcome)
+                await self._stream(client, item, body, outcome)
             else:
-                reply = await client.completions.create(model=self.model, **item.body)
+                reply = await client.completions.create(
+                    model=self.model, prompt=item.body["prompt"], extra_body=body
+                )
                 outcome.response_id, outcome.seed = reply.id, _seed(reply)
                 for choice in reply.choices:
                     _take(outcome, choice.index, choice.text, choice.logprobs, choice.finish_reason)
@@ -259,18 +280,24 @@ class Sender:
             outcome.status = "cancelled"
         except openai.APIStatusError as exc:
             outcome.status, outcome.http_status = "error", exc.status_code
+            outcome.retry_after = exc.response.headers.get("retry-after")
             outcome.error_type = _error_type(exc.body)
             outcome.error = str(exc)[:300]
         except openai.APIError as exc:  # an error event in a stream, or a broken connection
             outcome.status = "error"
+            outcome.refused = _refused(exc)
             outcome.error_type = _error_type(exc.body)
             outcome.error = f"{type(exc).__name__}: {exc}"[:300]
         finally:
             outcome.finished = outcome.finished or time.time()
             self.open.pop(item.index, None)
 
-    async def _stream(self, client: openai.AsyncOpenAI, item: Planned, outcome: Outcome) -> None:
-        stream = await client.completions.create(model=self.model, stream=True, **item.body)
+    async def _stream(
+        self, client: openai.AsyncOpenAI, item: Planned, body: dict[str, Any], outcome: Outcome
+    ) -> None:
+        stream = await client.completions.create(
+            model=self.model, prompt=item.body["prompt"], stream=True, extra_body=body
+        )
         async with stream:
             async for chunk in stream:
                 outcome.response_id, outcome.seed = chunk.id, _seed(chunk)
@@ -290,6 +317,52 @@ class Sender:
                     return
         outcome.status = "ok"
         outcome.finished = time.time()
+
+
+def requests_of(bodies: Iterable[dict[str, Any]], stream: bool = True) -> Iterator[Planned]:
+    """Plain requests, each to be sent as soon as possible (open loop: all at once; closed
+    loop: as a client frees up)."""
+    for i, body in enumerate(bodies):
+        yield Planned(i, 0.0, body, stream=stream)
+
+
+class InThread:
+    """A Sender's load on an event loop in a thread of its own, for synchronous callers (the
+    benchmarks, the e2e tests): open loop (``clients`` None: each request at its ``send_at``)
+    or ``clients`` closed-loop clients for at most ``duration_s``."""
+
+    def __init__(
+        self,
+        sender: Sender,
+        plan: Iterable[Planned],
+        clients: int | None = None,
+        duration_s: float = 24 * 3600.0,
+    ) -> None:
+        self.sender = sender
+        if clients is None:
+            work = sender.run(list(plan), time.time())
+        else:
+            work = sender.run_closed(plan, time.time(), clients, duration_s)
+        self.thread = threading.Thread(target=asyncio.run, args=(work,), daemon=True)
+        self.thread.start()
+
+    def outcomes(self) -> list[Outcome]:
+        """Every request sent so far (some may still be open), in plan order."""
+        return [o for _, o in sorted(self.sender.outcomes.copy().items())]
+
+    def join(self, timeout_s: float = 300.0) -> list[Outcome]:
+        """Stop a closed loop's clients, wait for the requests still open; every outcome."""
+        self.sender.stopping = True
+        self.thread.join(timeout_s)
+        if self.thread.is_alive():
+            raise TimeoutError(f"requests still open {timeout_s:.0f} s after the load ended")
+        return self.outcomes()
+
+
+def send_one(url: str, model: str, body: dict[str, Any], timeout_s: float = 120.0) -> Outcome:
+    """One streaming request, sent now; its Outcome when it ended."""
+    [outcome] = InThread(Sender(url, model, timeout_s), requests_of([body])).join(timeout_s + 10)
+    return outcome
 
 
 def _take(outcome: Outcome, index: int, text: str, logprobs: Any, finish: str | None) -> None:
@@ -316,9 +389,10 @@ def _error_type(body: object) -> str | None:
     return None
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100), nearest rank; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+def _refused(exc: BaseException | None) -> bool:
+    """Whether ``exc`` came of a refused connection (somewhere down its chain of causes)."""
+    while exc is not None:
+        if isinstance(exc, ConnectionRefusedError):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False

@@ -5,7 +5,9 @@ marked) and ``requests.jsonl`` (each request: what it came to, where it ran, wha
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
+from typing import Any
 
 from chaos.verdict import Summary
 
@@ -13,15 +15,26 @@ from chaos.verdict import Summary
 def write_report(summary: Summary, out: Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     files = [out / "report.json", out / "report.md", out / "timeline.png", out / "requests.jsonl"]
-    files[0].write_text(json.dumps(summary.as_dict(), indent=1, default=str))
+    files[0].write_text(json.dumps(_json_safe(summary.as_dict()), indent=1, default=str))
     files[1].write_text(markdown(summary))
     plot(summary, files[2])
     files[3].write_text("".join(json.dumps(r, default=str) + "\n" for r in summary.requests))
     return files
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with each NaN (a percentile of no samples) as None: JSON has no NaN."""
+    if isinstance(value, float) and math.isnan(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+    return "-" if value is None or math.isnan(value) else f"{value:.2f}"
 
 
 def markdown(s: Summary) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
@@ -26,6 +25,7 @@ from chaos.inject import FaultEvent, InjectError, Injector, Worker
 from chaos.injections import INJECTIONS
 from chaos.load import Outcome, Planned, Sender, schedule
 from chaos.plan import ChaosPlan, Churn, Fault
+from chaos.probe import metric
 from chaos.reference import Expected, expected, reference_engine
 from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient
 from tandem.launch import model_dir_of
@@ -448,12 +448,6 @@ async def _ask(ref: Any, default: Any, timeout_s: float = 10.0) -> Any:
 def _requests_total(url: str) -> float | None:
     """The sum of the ingress's ``tandem_requests_total`` (every client record)."""
     try:
-        with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
-            text = reply.read().decode()
+        return sum(metric(url, "tandem_requests_total"))
     except OSError:
         return None
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line.startswith("tandem_requests_total{")
-    )

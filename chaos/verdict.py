@@ -10,8 +10,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from chaos.inject import FaultEvent
-from chaos.load import Outcome, percentile
+from chaos.load import Outcome
 from chaos.reference import Expected
+from engine.metrics import percentile
 
 STEADY_WINDOW_S = 10.0  # before a fault: what "steady" is measured over
 RECOVERY_WINDOW_S = 5.0  # after it: each window judged against steady
@@ -89,8 +90,8 @@ class Bin:
     tokens_per_s: float
     requests: int  # first tokens in this second
     errors: int
-    ttft_p50: float | None
-    ttft_p99: float | None
+    ttft_p50: float  # NaN: no first token in this bin
+    ttft_p99: float
 
 
 def timeline(outcomes: list[Outcome], start: float, end: float, width_s: float = 1.0) -> list[Bin]:
@@ -127,7 +128,7 @@ def timeline(outcomes: list[Outcome], start: float, end: float, width_s: float =
 @dataclass
 class Window:
     tokens_per_s: float
-    ttft_p99: float | None
+    ttft_p99: float  # NaN: no first token in the window
     requests: int
 
 
@@ -153,8 +154,8 @@ def recovery_s(
         w = window(outcomes, t, t + RECOVERY_WINDOW_S)
         fast = w.tokens_per_s >= (1 - RECOVERY_TOLERANCE) * steady.tokens_per_s
         prompt = (
-            steady.ttft_p99 is None
-            or w.ttft_p99 is None
+            math.isnan(steady.ttft_p99)
+            or math.isnan(w.ttft_p99)
             or w.ttft_p99 <= (1 + RECOVERY_TOLERANCE) * steady.ttft_p99
         )
         if fast and prompt:
@@ -238,7 +239,7 @@ class FaultRow:
     detect_s: float | None
     recovery_s: float | None
     steady_tokens_per_s: float
-    steady_ttft_p99: float | None
+    steady_ttft_p99: float  # NaN: no first token in the steady window
     touched: int = 0
     touched_ok: int = 0
     lasted_s: float | None = None  # until the worker was up again / the service answered

@@ -4,6 +4,7 @@ one JSON line per request."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from chaos.report import write_report
@@ -22,13 +23,13 @@ def summary(verdict: bool) -> Summary:
             FaultRow(
                 "kill_worker", 10.0, ["decode-0"], "mid_decode", 0.04, 2.5, 120.0, 0.3, 4, 4, 3.25
             ),
-            FaultRow("kill_router", 20.0, [], "", None, None, 110.0, None, 9, 9),
+            FaultRow("kill_router", 20.0, [], "", None, None, 110.0, math.nan, 9, 9),
         ],
         counts={"ok": 9, "requests": 10},
         stranded={"attempts": 1, "block_seconds": 0.5, "per_block_s": 0.05, "worst_s": 0.05},
         max_dispatch_delay_s=0.002,
         timeline=[
-            Bin(float(i), 100.0 + i, 2, i % 3, 0.1, 0.2 if i % 2 else None) for i in range(30)
+            Bin(float(i), 100.0 + i, 2, i % 3, 0.1, 0.2 if i % 2 else math.nan) for i in range(30)
         ],
         failures=[{"index": 3, "status": "error"}],
         requests=[{"index": i, "status": "ok"} for i in range(10)],
@@ -42,6 +43,8 @@ def test_the_report_files_say_the_verdict_and_each_row(tmp_path: Path) -> None:
     doc = json.loads(files[0].read_text())
     assert doc["verdict"] is False and "requests" not in doc  # those are in requests.jsonl
     assert doc["faults"][0]["detect_s"] == 0.04 and doc["health"][0]["t"] == 10.04
+    # A percentile of no samples (NaN) is null: the file stays JSON.
+    assert doc["faults"][1]["steady_ttft_p99"] is None and doc["timeline"][0]["ttft_p99"] is None
     md = files[1].read_text()
     assert md.startswith("# Chaos run `demo`: FAIL\n")
     assert "| outputs equal the reference | **FAIL** | 1 mismatched | <= 0 |" in md

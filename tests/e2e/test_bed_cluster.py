@@ -2,7 +2,8 @@
 deploy/cluster-testbed.yaml`` on three hosts (network namespaces with their own addresses,
 tandem/testbed.py), ``tandem serve --address`` on the head over SSH with
 deploy/topologies/testbed.yaml (prefill-0 on host a, prefill-1 and decode-0 on b, decode-1 on c),
-and the official ``openai`` client in this machine's own namespace, across the bed's bridge.
+and the official ``openai`` client (chaos.load) in this machine's own namespace, across the
+bed's bridge.
 Then whole hosts die, are partitioned and come back.
 
 Every answer is compared with an engine in this process on the same checkpoint (bf16, the same
@@ -16,17 +17,17 @@ restarted, every worker up). CI runs the ones not marked ``bed_full``; ``make te
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 import requests
 
+from chaos.load import InThread, Outcome, Sender, requests_of
+from chaos.probe import metric, wait_all_up, worker_states
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -108,12 +109,6 @@ def pools(names: list[str]) -> dict[str, dict[str, int]]:
     return on_head(POOLS % (names,))  # type: ignore[no-any-return]
 
 
-def states() -> dict[str, str]:
-    r = requests.get(f"{URL}/v1/cluster", timeout=10)
-    r.raise_for_status()
-    return {w["name"]: w["state"] for w in r.json()["workers"]}
-
-
 def credited() -> dict[str, int]:
     """The router's prefix index: blocks it credits each worker with."""
     r = requests.get(f"{URL}/v1/cluster", timeout=10)
@@ -168,8 +163,8 @@ def engine() -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def client(cluster: Served) -> openai.OpenAI:  # noqa: ARG001  (it must be serving)
-    return openai.OpenAI(base_url=f"{URL}/v1", api_key="none", max_retries=0, timeout=120)
+def url(cluster: Served) -> str:  # noqa: ARG001  (it must be serving)
+    return URL
 
 
 def params(i: int, max_tokens: int) -> SamplingParams:
@@ -181,81 +176,58 @@ def params(i: int, max_tokens: int) -> SamplingParams:
     )
 
 
-@dataclass
-class Answer:
-    text: str = ""
-    logprobs: list[float | None] | None = None
-    error: str | None = None
-    tokens_at: list[float] | None = None  # when each chunk arrived
-
-
-def ask(client: openai.OpenAI, i: int, max_tokens: int, answer: Answer) -> None:
-    """Stream request ``i`` into ``answer`` (its error, if it ends with one)."""
+def body(i: int, max_tokens: int) -> dict[str, Any]:
+    """Request ``i``, streamed, with its tokens' logprobs."""
     p = params(i, max_tokens)
-    answer.logprobs, answer.tokens_at = [], []
-    try:
-        stream = client.completions.create(
-            model=load_topology(TOPOLOGY).model.name,
-            prompt=prompt_ids(i),
-            max_tokens=max_tokens,
-            temperature=p.temperature,
-            seed=p.seed,
-            logprobs=0,
-            stream=True,
-            extra_body={"ignore_eos": True},
-        )
-        for chunk in stream:
-            choice = chunk.choices[0]
-            answer.text += choice.text
-            assert choice.logprobs is not None and choice.logprobs.token_logprobs is not None
-            answer.logprobs.extend(choice.logprobs.token_logprobs)
-            answer.tokens_at.append(time.time())
-    except Exception as exc:  # the test asserts there is none, naming it
-        answer.error = repr(exc)
+    return {
+        "prompt": prompt_ids(i),
+        "max_tokens": max_tokens,
+        "temperature": p.temperature,
+        "seed": p.seed,
+        "logprobs": 0,
+        "ignore_eos": True,
+    }
 
 
-def assert_reference(engine: LLMEngine, i: int, max_tokens: int, answer: Answer) -> None:
+def assert_reference(engine: LLMEngine, i: int, max_tokens: int, answer: Outcome) -> None:
     [[want]] = engine.generate([prompt_ids(i)], params(i, max_tokens))
-    assert answer.error is None, f"request {i}: {answer.error}"
+    assert answer.status == "ok", f"request {i}: {answer.status} {answer.error}"
     assert answer.text == want.text, f"request {i}: text differs"
-    assert answer.logprobs == [lp.logprob for lp in want.logprobs or []], f"request {i}"
+    got = answer.choices[0].token_logprobs
+    assert got == [lp.logprob for lp in want.logprobs or []], f"request {i}"
 
 
 class Load:
-    """``n`` streams of ``max_tokens`` each, in threads."""
+    """``n`` streams of ``max_tokens`` each, sent at once (chaos.load)."""
 
-    def __init__(self, client: openai.OpenAI, n: int, max_tokens: int, first: int = 0) -> None:
+    def __init__(self, url: str, n: int, max_tokens: int, first: int = 0) -> None:
         self.max_tokens = max_tokens
         self.ids = list(range(first, first + n))
-        self.answers = {i: Answer() for i in self.ids}
-        self.threads = [
-            threading.Thread(target=ask, args=(client, i, max_tokens, self.answers[i]))
-            for i in self.ids
-        ]
-        for t in self.threads:
-            t.start()
+        sender = Sender(url, load_topology(TOPOLOGY).model.name, hang_bound_s=120.0)
+        self.load = InThread(sender, requests_of(body(i, max_tokens) for i in self.ids))
 
-    def wait_streaming(self, tokens: int, timeout_s: float = 60.0) -> None:
-        """Until every stream has had ``tokens`` chunks."""
+    def wait_streaming(self, chunks: int, timeout_s: float = 60.0) -> None:
+        """Until every stream has had ``chunks`` chunks with tokens."""
         until = time.time() + timeout_s
-        while any(len(a.tokens_at or []) < tokens for a in self.answers.values()):
+        while (
+            len(outcomes := self.load.outcomes()) < len(self.ids)
+            or min(len(o.token_times) for o in outcomes) < chunks
+        ):
             assert time.time() < until, "the streams did not start"
             time.sleep(0.02)
 
-    def join(self, timeout_s: float = 120.0) -> None:
-        for t in self.threads:
-            t.join(timeout_s)
-        assert not any(t.is_alive() for t in self.threads), "a request hung"
+    def join(self, timeout_s: float = 120.0) -> list[Outcome]:
+        return self.load.join(timeout_s)
 
     def assert_reference(self, engine: LLMEngine) -> None:
-        for i in self.ids:
-            assert_reference(engine, i, self.max_tokens, self.answers[i])
+        for i, answer in zip(self.ids, self.join(), strict=True):
+            assert_reference(engine, i, self.max_tokens, answer)
 
 
-def routed_exactly(client: openai.OpenAI, engine: LLMEngine, first: int) -> list[dict[str, Any]]:
+def routed_exactly(url: str, engine: LLMEngine, first: int) -> list[dict[str, Any]]:
     """Four short requests, each equal to the engine's; the router's decisions for them."""
     marked = len(decisions())
-    load = Load(client, 4, 8, first=first)
+    load = Load(url, 4, 8, first=first)
     load.join()
     load.assert_reference(engine)
     return decisions()[marked:]
@@ -268,8 +240,8 @@ def watch_states(until_s: float) -> list[tuple[float, dict[str, str]]]:
     end = time.time() + until_s
     while time.time() < end:
         try:
-            now = states()
-        except requests.RequestException:
+            now = worker_states(URL)
+        except OSError:  # urllib's errors, a timeout
             now = {}
         if now and (not seen or seen[-1][1] != now):
             seen.append((time.time(), now))
@@ -281,30 +253,18 @@ def first_time(seen: list[tuple[float, dict[str, str]]], name: str, state: str) 
     return next(t for t, s in seen if s.get(name) == state)
 
 
-def wait_all_up(timeout_s: float = 120.0) -> None:
-    until = time.time() + timeout_s
-    while True:
-        try:
-            if set(states().values()) == {"up"}:
-                return
-        except requests.RequestException:
-            pass
-        assert time.time() < until, f"not all workers back up: {states()}"
-        time.sleep(0.2)
-
-
 def bring_back(bed: Testbed, host: testbed.Host) -> None:
     """A dead host rebooted: its sshd, then its Ray node (the cluster file's commands)."""
     testbed.revive_host(bed, host)
     testbed.restart_ray_node(bed, host)
-    wait_all_up()
+    wait_all_up(URL)
 
 
 # -- the tests, in order ---------------------------------------------------------------------
 
 
 def test_workers_land_on_their_domains_hosts_and_answer_as_the_engine(
-    cluster: Served, client: openai.OpenAI, engine: LLMEngine
+    cluster: Served, url: str, engine: LLMEngine
 ) -> None:
     """Placement follows the node labels (Ray's own node table); prefill and decode on other
     hosts (KV over gRPC across the bridge) give the engine's tokens and logprobs."""
@@ -314,7 +274,7 @@ def test_workers_land_on_their_domains_hosts_and_answer_as_the_engine(
     for name in WORKERS:
         assert view["actors"][name] == ["ALIVE", HOST_OF[name], domain[name]], name
     before = transfers()
-    load = Load(client, 6, 16)
+    load = Load(url, 6, 16)
     load.join()
     load.assert_reference(engine)
     assert transfers() - before == 6  # every prompt's KV shipped to a decode worker
@@ -324,14 +284,11 @@ def test_workers_land_on_their_domains_hosts_and_answer_as_the_engine(
 
 def transfers() -> int:
     """KV transfers the ingress has counted (``tandem_kv_transfer_seconds_count``)."""
-    for line in requests.get(f"{URL}/metrics", timeout=10).text.splitlines():
-        if line.startswith("tandem_kv_transfer_seconds_count"):
-            return int(float(line.split()[-1]))
-    return 0
+    return int(sum(metric(URL, "tandem_kv_transfer_seconds_count")))
 
 
 def test_a_killed_decode_host_migrates_its_streams_and_comes_back(
-    cluster: Served, client: openai.OpenAI, engine: LLMEngine
+    cluster: Served, url: str, engine: LLMEngine
 ) -> None:
     """Host c (decode-1, the whole of domain c) dies mid-stream: its streams migrate to
     decode-0 and finish exactly; the router marks decode-1 FAILED within the heartbeat timeout
@@ -340,7 +297,7 @@ def test_a_killed_decode_host_migrates_its_streams_and_comes_back(
     node rejoins and decode-1 serves again after a health check."""
     bed = cluster.bed
     victim = bed.hosts[2]
-    load = Load(client, 6, 300)
+    load = Load(url, 6, 300)
     load.wait_streaming(10)
     killed_at = time.time()
     testbed.kill_host(victim)
@@ -349,7 +306,7 @@ def test_a_killed_decode_host_migrates_its_streams_and_comes_back(
     load.join()
     load.assert_reference(engine)
     # Routed after the failure: never to decode-1.
-    assert all(d["decode"] != "decode-1" for d in routed_exactly(client, engine, first=100))
+    assert all(d["decode"] != "decode-1" for d in routed_exactly(url, engine, first=100))
     survivors = [n for n in WORKERS if n != "decode-1"]
     for name, pool in pools(survivors).items():
         assert pool["in_use"] == pool["reserved"] == 0, name
@@ -359,17 +316,17 @@ def test_a_killed_decode_host_migrates_its_streams_and_comes_back(
         assert time.time() < until, "Ray never marked the dead host's node DEAD"
         time.sleep(2)
     assert view["actors"]["decode-1"][0] in ("RESTARTING", "PENDING_CREATION")
-    assert states()["decode-1"] == "failed"
+    assert worker_states(URL)["decode-1"] == "failed"
     bring_back(bed, victim)
     assert ray_view()["actors"]["decode-1"][:2] == ["ALIVE", "10.213.0.3"]
-    again = Load(client, 4, 8, first=200)
+    again = Load(url, 4, 8, first=200)
     again.join()
     again.assert_reference(engine)
 
 
 @pytest.mark.bed_full
 def test_a_partitioned_host_is_failed_then_readmitted_with_its_index_resynced(
-    cluster: Served, client: openai.OpenAI, engine: LLMEngine
+    cluster: Served, url: str, engine: LLMEngine
 ) -> None:
     """Host b (prefill-1, decode-0) is cut off for a few seconds, under load, with prefill-1's
     KV streams stalled so a transfer is in flight: both are marked FAILED within the heartbeat
@@ -380,7 +337,7 @@ def test_a_partitioned_host_is_failed_then_readmitted_with_its_index_resynced(
     bed = cluster.bed
     victim = bed.hosts[1]
     arm("prefill-1", "Fault(FaultPoint.TRANSFER_CHUNK, FaultAction.STALL, at=2, seconds=30.0)")
-    load = Load(client, 8, 200, first=300)
+    load = Load(url, 8, 200, first=300)
     load.wait_streaming(1)
     logged = len(health_events())
     cut_at = time.time()
@@ -389,7 +346,7 @@ def test_a_partitioned_host_is_failed_then_readmitted_with_its_index_resynced(
     for name in ("prefill-1", "decode-0"):
         assert first_time(seen, name, "failed") - cut_at < HEARTBEAT_TIMEOUT_S + 1, name
     testbed.heal(victim)
-    wait_all_up()
+    wait_all_up(URL)
     events = health_events()[logged:]
     for name in ("prefill-1", "decode-0"):
         mine = [e for e in events if e["worker"] == name]
@@ -399,9 +356,9 @@ def test_a_partitioned_host_is_failed_then_readmitted_with_its_index_resynced(
     load.join()
     load.assert_reference(engine)
     # Nothing waited for the stalled transfer (30 s) or for a lease to lapse.
-    ended = max((a.tokens_at or [0.0])[-1] for a in load.answers.values())
+    ended = max(o.token_times[-1][0] for o in load.join() if o.token_times)
     assert ended - cut_at < LEASE_TIMEOUT_S
-    wait_all_up()
+    wait_all_up(URL)
     arm("prefill-1")  # disarmed, whether it fired or not
     held = pools(WORKERS)
     for name, pool in held.items():
@@ -411,25 +368,25 @@ def test_a_partitioned_host_is_failed_then_readmitted_with_its_index_resynced(
 
 @pytest.mark.bed_full
 def test_losing_a_domain_leaves_the_rest_serving(
-    cluster: Served, client: openai.OpenAI, engine: LLMEngine
+    cluster: Served, url: str, engine: LLMEngine
 ) -> None:
     """Domain b's host (prefill-1 and decode-0) dies under load: the streams it held migrate,
     new requests go to prefill-0 and decode-1 only, all exact; then it comes back."""
     bed = cluster.bed
     victim = bed.hosts[1]
-    load = Load(client, 6, 200, first=400)
+    load = Load(url, 6, 200, first=400)
     load.wait_streaming(5)
     testbed.kill_host(victim)
     load.join()
     load.assert_reference(engine)
-    for d in routed_exactly(client, engine, first=500):
+    for d in routed_exactly(url, engine, first=500):
         assert d["prefill"] in (None, "prefill-0") and d["decode"] in (None, "decode-1"), d
     bring_back(bed, victim)
 
 
 @pytest.mark.bed_full
 def test_kv_over_torch_gloo_between_hosts_answers_as_the_engine(
-    cluster: Served, client: openai.OpenAI, engine: LLMEngine, tmp_path: Path
+    cluster: Served, url: str, engine: LLMEngine, tmp_path: Path
 ) -> None:
     """The same cluster served again with ``transport: torch`` (gloo pair groups between the
     hosts' addresses): the engine's tokens and logprobs."""
@@ -439,7 +396,7 @@ def test_kv_over_torch_gloo_between_hosts_answers_as_the_engine(
     torch_topology.write_text(TOPOLOGY.read_text().replace("transport: grpc", "transport: torch"))
     cluster.proc = testbed.serve_on_head(bed, torch_topology)
     before = transfers()
-    load = Load(client, 6, 16, first=600)
+    load = Load(url, 6, 16, first=600)
     load.join()
     load.assert_reference(engine)
     assert transfers() - before == 6

@@ -11,17 +11,16 @@ import json
 import os
 import subprocess
 import sys
-import threading
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import openai
 import pytest
 import ray
 
 from chaos.inject import Injector, Worker
+from chaos.load import InThread, Sender, requests_of
+from chaos.probe import metric
 from contracts.actors import NAMESPACE, WorkerClient
 from tandem.deployment import DEFAULT_TOPOLOGY
 from tandem.testbed import Host
@@ -30,19 +29,18 @@ from tandem.topology import load_topology
 pytestmark = pytest.mark.e2e
 
 
-def counters(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as reply:
-        text = reply.read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("tandem_") and "_total" in line.split(" ")[0]:
-            name, number = line.rsplit(" ", 1)
-            out[name] = float(number)
-    return out
+# The counters the run must move: (name, labels).
+COUNTED = [
+    ("tandem_worker_failures_detected_total", {}),
+    ("tandem_transport_failures_total", {"kind": "integrity"}),
+    ("tandem_migrations_total", {}),
+    ("tandem_retries_total", {}),
+]
 
 
-def total(got: dict[str, float], prefix: str) -> float:
-    return sum(v for k, v in got.items() if k.startswith(prefix))
+def counters(url: str) -> list[float]:
+    """Each of COUNTED's sum over its samples."""
+    return [sum(metric(url, name, **labels)) for name, labels in COUNTED]
 
 
 @pytest.fixture(scope="module")
@@ -123,18 +121,16 @@ def test_the_report_has_each_fault_with_its_detection(smoke: dict[str, Any]) -> 
 
 
 def test_the_prometheus_counters_moved_with_the_faults(smoke: dict[str, Any]) -> None:
-    before, after = smoke["before"], smoke["after"]
-
-    def moved(prefix: str) -> float:
-        return total(after, prefix) - total(before, prefix)
-
-    assert moved("tandem_worker_failures_detected_total") >= 3  # three kills
-    assert moved('tandem_transport_failures_total{kind="integrity"}') >= 1  # the corrupt chunk
-    assert moved("tandem_migrations_total") >= 1  # the mid-decode kill's stream
+    failures, integrity, migrations, retries = (
+        a - b for a, b in zip(smoke["after"], smoke["before"], strict=True)
+    )
+    assert failures >= 3  # three kills
+    assert integrity >= 1  # the corrupt chunk
+    assert migrations >= 1  # the mid-decode kill's stream
     # The mid-transfer kill's and the corrupt chunk's requests start new attempts too: retries
     # if no token had reached the client yet, else migrations (the KV sender may lag the
     # prefill's first token), so only the sum is fixed.
-    assert moved("tandem_retries_total") + moved("tandem_migrations_total") >= 3
+    assert retries + migrations >= 3
 
 
 def test_a_host_fault_waits_until_a_request_runs_on_the_host(smoke: dict[str, Any]) -> None:
@@ -149,20 +145,12 @@ def test_a_host_fault_waits_until_a_request_runs_on_the_host(smoke: dict[str, An
     injector = Injector(workers, seed=0)
     assert asyncio.run(injector.until_busy(hosts, 0.0)) == ""  # no wait asked for
     assert asyncio.run(injector.until_busy(hosts, 0.5)) == ", nothing ran there in 0.5 s"
-    client = openai.OpenAI(base_url=f"{smoke['url']}/v1", api_key="none", max_retries=0)
-
-    def stream() -> None:
-        for _ in client.completions.create(
-            model=topology.model.name, prompt="one two three " * 20, max_tokens=400, stream=True
-        ):
-            pass
-
-    sender = threading.Thread(target=stream)
-    sender.start()
+    body = {"prompt": "one two three " * 20, "max_tokens": 400}
+    load = InThread(Sender(smoke["url"], topology.model.name), requests_of([body]))
     try:
         said = asyncio.run(injector.until_busy(hosts, 30.0))
     finally:
-        sender.join(timeout=120)
+        load.join(timeout_s=120)
     assert said.endswith(" busy") and said.removeprefix(", ").split()[0] in {
         w.name for w in workers
     }, said

@@ -13,7 +13,6 @@ A poller hits the port every 100 ms throughout and counts refused connections.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -21,7 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +27,10 @@ import pytest
 import ray
 import requests
 
-from bench.fault_bench import ray_processes
-from contracts.actors import NAMESPACE, ROUTER_NAME
+from chaos.inject import ray_processes
+from chaos.load import InThread, Outcome, Sender, requests_of, send_one
+from chaos.probe import metric, wait_all_up
+from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-llama"
@@ -63,15 +63,12 @@ def server(
     return serve_app(topology)
 
 
-def body(prompt: str, max_tokens: int = MAX_TOKENS, stream: bool = True) -> dict[str, Any]:
-    return {
-        "model": MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": stream,
-    }
+def body(prompt: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
+    return {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+
+
+def router() -> RouterClient:
+    return RouterClient(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))
 
 
 @pytest.fixture(scope="module")
@@ -79,71 +76,37 @@ def reference(server: str) -> dict[str, str]:
     """Each prompt's answer before any fault."""
     out = {}
     for prompt in PROMPTS:
-        r = requests.post(f"{server}/v1/completions", json=body(prompt, stream=False), timeout=60)
+        r = requests.post(
+            f"{server}/v1/completions", json={"model": MODEL, **body(prompt)}, timeout=60
+        )
         assert r.status_code == 200, r.text
         out[prompt] = r.json()["choices"][0]["text"]
     return out
 
 
-@dataclass
-class Outcome:
-    prompt: str
-    status: int  # 0: no HTTP answer (connection refused or cut)
-    text: str = ""
-    error: str | None = None  # an error event in a 200 stream, or a non-200 body
-    retry_after: str | None = None
-    started: float = 0.0
-
-
 def stream(server: str, prompt: str, max_tokens: int = MAX_TOKENS) -> Outcome:
-    started = time.time()
-    try:
-        with requests.post(
-            f"{server}/v1/completions", json=body(prompt, max_tokens), stream=True, timeout=120
-        ) as r:
-            if r.status_code != 200:
-                return Outcome(
-                    prompt, r.status_code, error=r.text,
-                    retry_after=r.headers.get("Retry-After"), started=started,
-                )  # fmt: skip
-            out = Outcome(prompt, 200, started=started)
-            for line in r.iter_lines():
-                if line.startswith(b"data: {"):
-                    chunk = json.loads(line.removeprefix(b"data: "))
-                    if "error" in chunk:
-                        out.error = chunk["error"]["message"]
-                    else:
-                        out.text += chunk["choices"][0]["text"]
-            return out
-    except requests.RequestException as e:
-        return Outcome(prompt, 0, error=repr(e), started=started)
+    return send_one(server, MODEL, body(prompt, max_tokens))
+
+
+def answered(o: Outcome) -> bool:
+    """Whether the server answered ``o`` (complete, or with an HTTP status)."""
+    return o.status == "ok" or o.http_status is not None
 
 
 class Load:
-    """``clients`` threads sending streams back to back (bounded in count and time)."""
+    """``clients`` clients sending streams back to back (bounded in count and time)."""
 
     def __init__(self, server: str, clients: int, max_each: int = 100) -> None:
-        self.outcomes: list[Outcome] = []
-        self.stop = threading.Event()
-        self.threads = [
-            threading.Thread(target=self._client, args=(server, i, max_each), daemon=True)
-            for i in range(clients)
-        ]
-        for t in self.threads:
-            t.start()
+        self.prompts = [PROMPTS[n % len(PROMPTS)] for n in range(clients * max_each)]
+        sender = Sender(server, MODEL, hang_bound_s=120.0)
+        self.load = InThread(sender, requests_of(body(p) for p in self.prompts), clients)
 
-    def _client(self, server: str, i: int, max_each: int) -> None:
-        for n in range(max_each):
-            if self.stop.is_set():
-                return
-            self.outcomes.append(stream(server, PROMPTS[(i + n) % len(PROMPTS)]))
+    def outcomes(self) -> list[Outcome]:
+        return self.load.outcomes()
 
-    def join(self) -> list[Outcome]:
-        self.stop.set()
-        for t in self.threads:
-            t.join(timeout=180)
-        assert not any(t.is_alive() for t in self.threads), "a client hung"
-        return self.outcomes
+    def join(self) -> list[tuple[str, Outcome]]:
+        """Each request's prompt and outcome."""
+        return [(self.prompts[o.index], o) for o in self.load.join(timeout_s=180)]
 
 
 class Poller:
@@ -186,21 +149,9 @@ def cluster(server: str) -> dict[str, Any]:
     return r.json()  # type: ignore[no-any-return]
 
 
-def wait_all_up(server: str, timeout_s: float = 90.0) -> None:
-    until = time.time() + timeout_s
-    while True:
-        try:
-            if all(w["state"] == "up" for w in cluster(server)["workers"]):
-                return
-        except (AssertionError, requests.RequestException):
-            pass
-        assert time.time() < until, "the workers did not all come back"
-        time.sleep(0.2)
-
-
-def assert_exact(outcomes: list[Outcome], reference: dict[str, str]) -> None:
+def assert_exact(outcomes: list[tuple[str, Outcome]], reference: dict[str, str]) -> None:
     """Every outcome a complete answer equal to its prompt's answer before the faults."""
-    bad = [o for o in outcomes if o.status != 200 or o.error or o.text != reference[o.prompt]]
+    bad = [o for p, o in outcomes if o.status != "ok" or o.text != reference[p]]
     assert not bad, bad[:3]
 
 
@@ -242,10 +193,11 @@ def test_health_and_the_router_view_at_full_capacity(
 
 def router_hits(prompt: str, server: str) -> int:
     """Serve ``prompt``; the prefix-cache blocks the router credited its prefill worker."""
-    r = requests.post(f"{server}/v1/completions", json=body(prompt, 4, False), timeout=60)
+    r = requests.post(
+        f"{server}/v1/completions", json={"model": MODEL, **body(prompt, 4)}, timeout=60
+    )
     assert r.status_code == 200, r.text
-    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    last = ray.get(router.decisions.remote(), timeout=30)[-1]
+    last = ray.get(router().decisions(), timeout=30)[-1]
     return int(last["hit_blocks"])
 
 
@@ -279,7 +231,7 @@ def test_a_router_kill_under_load_fails_no_request_and_refuses_no_connection(
         (pid,) = ray_processes("ray::RouterActor", os.getpid())
         os.kill(pid, signal.SIGKILL)
     until = killed_at + 60
-    while not any(o.started > killed_at and o.status for o in load.outcomes):
+    while not any((o.sent or 0) > killed_at and answered(o) for o in load.outcomes()):
         assert time.time() < until, "nothing sent after the kill was answered"
         time.sleep(0.1)  # (a request sent after the kill has been answered: routing is back)
     time.sleep(1.0)
@@ -306,7 +258,7 @@ def test_the_ingress_replica_killed_comes_back_on_its_port_with_the_same_cluster
     until = killed_at + 30
     while True:  # answering again: a request served end to end by the new replica
         o = stream(server, PROMPTS[0])
-        if o.status == 200 and not o.error:
+        if o.status == "ok":
             break
         assert time.time() < until, o
         time.sleep(0.1)
@@ -317,7 +269,7 @@ def test_the_ingress_replica_killed_comes_back_on_its_port_with_the_same_cluster
     assert {n: ray.get_actor(n, namespace=NAMESPACE)._actor_id.hex() for n in names} == ids
     assert cluster(server)["workers"][0]["cached_blocks"] >= cached
     assert router_hits(CACHED + "again", server) > 0  # credited at once: same router
-    assert_exact([stream(server, p) for p in PROMPTS], reference)
+    assert_exact([(p, stream(server, p)) for p in PROMPTS], reference)
 
 
 def test_both_decode_workers_killed_requests_wait_or_get_a_status_before_any_header(
@@ -336,9 +288,9 @@ def test_both_decode_workers_killed_requests_wait_or_get_a_status_before_any_hea
     wait_all_up(server)
     time.sleep(2.0)
     outcomes = load.join()
-    refused = [o for o in outcomes if o.status == 503]
+    refused = [o for _, o in outcomes if o.http_status == 503]
     assert all(o.retry_after == "5" for o in refused), refused[:3]
-    assert_exact([o for o in outcomes if o.status != 503], reference)
+    assert_exact([(p, o) for p, o in outcomes if o.http_status != 503], reference)
     assert len(refused) < len(outcomes) / 2
 
 
@@ -349,38 +301,23 @@ def test_with_the_retry_budget_spent_every_started_stream_migrates(server: str) 
     wait_all_up(server)
     n = 2000
     long_ref = requests.post(
-        f"{server}/v1/completions", json=body(PROMPTS[1], n, False), timeout=120
+        f"{server}/v1/completions", json={"model": MODEL, **body(PROMPTS[1], n)}, timeout=120
     ).json()["choices"][0]["text"]
-    router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
-    before = len(ray.get(router.decisions.remote(), timeout=30))
-    results: list[Outcome] = []
-    threads = [
-        threading.Thread(target=lambda: results.append(stream(server, PROMPTS[1], n)))
-        for _ in range(4)
-    ]
-    for t in threads:
-        t.start()
+    before = len(ray.get(router().decisions(), timeout=30))
+    load = InThread(
+        Sender(server, MODEL, hang_bound_s=180.0), requests_of([body(PROMPTS[1], n)] * 4)
+    )
     time.sleep(1.0)  # all four are streaming
-    serving = [d["decode"] for d in ray.get(router.decisions.remote(), timeout=30)[before:]]
+    serving = [d["decode"] for d in ray.get(router().decisions(), timeout=30)[before:]]
     busiest = max(set(serving), key=serving.count)
     ray.kill(ray.get_actor(busiest, namespace=NAMESPACE), no_restart=False)
-    for t in threads:
-        t.join(timeout=180)
-    assert [(o.status, o.error) for o in results] == [(200, None)] * 4
+    results = load.join(timeout_s=190)
+    assert [(o.status, o.error) for o in results] == [("ok", None)] * 4
     assert all(o.text == long_ref for o in results)
-    decisions = ray.get(router.decisions.remote(), timeout=30)[before:]
+    decisions = ray.get(router().decisions(), timeout=30)[before:]
     migrated = [d for d in decisions if d["request_id"].endswith("@2")]
     assert migrated and {d["decode"] for d in migrated} == {"decode-0", "decode-1"} - {busiest}
-    assert metric(server, "tandem_retry_budget_tokens") == "0.0"
-
-
-def metric(server: str, name: str, **labels: str) -> str | None:
-    """The value of ``name``'s sample with exactly ``labels``, as text (None: not exported)."""
-    want = name + ("{" + ",".join(f'{k}="{v}"' for k, v in labels.items()) + "}" if labels else "")
-    for line in requests.get(f"{server}/metrics", timeout=10).text.splitlines():
-        if line.rsplit(" ", 1)[0] == want:
-            return line.rsplit(" ", 1)[1]
-    return None
+    assert metric(server, "tandem_retry_budget_tokens") == [0.0]
 
 
 def test_a_worker_gone_for_good_is_reported_down_then_nothing_can_serve(server: str) -> None:
@@ -389,7 +326,7 @@ def test_a_worker_gone_for_good_is_reported_down_then_nothing_can_serve(server: 
     still served. Both gone: /health 503 with Retry-After, and a request waits
     ``unavailable_wait_s`` then gets 503 + Retry-After as its status."""
     wait_all_up(server)
-    assert metric(server, "tandem_worker_up", worker="decode-1") == "1.0"
+    assert metric(server, "tandem_worker_up", worker="decode-1") == [1.0]
     ray.kill(ray.get_actor("decode-1", namespace=NAMESPACE), no_restart=True)
     until = time.time() + 30
     while (r := requests.get(f"{server}/health", timeout=10)).json()["status"] == "ok":
@@ -399,10 +336,10 @@ def test_a_worker_gone_for_good_is_reported_down_then_nothing_can_serve(server: 
         200,
         {"status": "degraded", "workers": 3, "down": ["decode-1"], "capacity": 0.5},
     )
-    assert metric(server, "tandem_worker_up", worker="decode-1") == "0.0"
-    assert metric(server, "tandem_kv_usage_ratio", worker="decode-1") is None
-    assert metric(server, "tandem_kv_usage_ratio", worker="decode-0") is not None
-    assert stream(server, PROMPTS[2]).status == 200
+    assert metric(server, "tandem_worker_up", worker="decode-1") == [0.0]
+    assert metric(server, "tandem_kv_usage_ratio", worker="decode-1") == []
+    assert len(metric(server, "tandem_kv_usage_ratio", worker="decode-0")) == 1
+    assert stream(server, PROMPTS[2]).status == "ok"
     ray.kill(ray.get_actor("decode-0", namespace=NAMESPACE), no_restart=True)
     until = time.time() + 30
     while (r := requests.get(f"{server}/health", timeout=10)).status_code == 200:
@@ -415,6 +352,5 @@ def test_a_worker_gone_for_good_is_reported_down_then_nothing_can_serve(server: 
     )
     start = time.time()
     o = stream(server, PROMPTS[2])
-    assert (o.status, o.retry_after) == (503, "5")
-    assert json.loads(o.error or "")["error"]["code"] == "no_replica_available"
+    assert (o.http_status, o.retry_after, o.error_type) == (503, "5", "no_replica_available")
     assert 10.0 <= time.time() - start < 20.0

@@ -9,10 +9,8 @@ the official ``openai`` client and raw HTTP.
 
 from __future__ import annotations
 
-import concurrent.futures
 import http.client
 import json
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -23,6 +21,8 @@ import pytest
 import ray
 import requests
 
+from chaos import probe
+from chaos.load import InThread, Sender, requests_of
 from contracts.actors import NAMESPACE, ROUTER_NAME
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from engine.config import EngineConfig
@@ -77,14 +77,8 @@ def workers_idle() -> None:
 
 
 def metric(server: str, name: str, **labels: str) -> float:
-    """The sum of ``name``'s samples whose labels include ``labels``."""
-    total = 0.0
-    for line in requests.get(f"{server}/metrics", timeout=10).text.splitlines():
-        if line.startswith((name + "{", name + " ")) and all(
-            f'{k}="{v}"' in line for k, v in labels.items()
-        ):
-            total += float(line.split()[-1])
-    return total
+    """The sum of ``name``'s samples whose labels include ``labels`` (0: none exported)."""
+    return sum(probe.metric(server, name, **labels))
 
 
 def long_body(tag: str, max_tokens: int = 1500) -> dict[str, Any]:
@@ -99,38 +93,17 @@ def long_body(tag: str, max_tokens: int = 1500) -> dict[str, Any]:
 
 
 class Holders:
-    """Streams that occupy the cluster (read slowly to the end in threads)."""
+    """Streams that occupy the cluster (read slowly to the end)."""
 
     def __init__(self, server: str, n: int, tag: str) -> None:
+        bodies = [long_body(f"{tag}{i}") | {"logprobs": 0} for i in range(n)]  # counts tokens
+        self.load = InThread(Sender(server, MODEL, hang_bound_s=300.0), requests_of(bodies))
         self.results: list[int] = []
-        self.errors: list[BaseException] = []
-        self.threads = [
-            threading.Thread(target=self._hold, args=(server, f"{tag}{i}"), daemon=True)
-            for i in range(n)
-        ]
-        for t in self.threads:
-            t.start()
-
-    def _hold(self, server: str, tag: str) -> None:
-        try:
-            with requests.post(
-                f"{server}/v1/completions", json=long_body(tag), stream=True, timeout=300
-            ) as r:
-                assert r.status_code == 200, r.text
-                chunks = [
-                    json.loads(line.removeprefix(b"data: "))
-                    for line in r.iter_lines()
-                    if line.startswith(b"data: {")
-                ]
-                assert not [c for c in chunks if "error" in c], chunks[-1]
-                self.results.append(chunks[-1]["usage"]["completion_tokens"])
-        except BaseException as e:
-            self.errors.append(e)
 
     def join(self) -> None:
-        for t in self.threads:
-            t.join(timeout=300)
-        assert not self.errors, self.errors
+        outcomes = self.load.join(timeout_s=310)
+        assert all(o.status == "ok" for o in outcomes), [o.error for o in outcomes]
+        self.results = [o.num_tokens for o in outcomes]
 
 
 def wait_until(predicate: Any, timeout_s: float = 60.0) -> None:
@@ -145,31 +118,15 @@ def test_three_times_the_batch_slots_all_complete_and_equal_the_engine(
 ) -> None:
     """3x the batch slots at once: every stream gets exactly max_tokens tokens, its text is the
     engine's, none saw an error; some had to wait in the queue, which never passed its bound."""
-    client = openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
     prompts = [f"Story number {i} begins with" for i in range(3 * SLOTS)]
     max_tokens = 48
-
-    def stream(prompt: str) -> tuple[str, str | None, int]:
-        text, finish, tokens = "", None, 0
-        for chunk in client.completions.create(
-            model=MODEL,
-            prompt=prompt,
-            max_tokens=max_tokens,
-            temperature=0,
-            stream=True,
-            stream_options={"include_usage": True},
-            extra_body={"ignore_eos": True},
-        ):
-            if chunk.choices:
-                text += chunk.choices[0].text
-                finish = chunk.choices[0].finish_reason or finish
-            if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
-        return text, finish, tokens
-
+    bodies = [
+        {"prompt": p, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "logprobs": 0}
+        for p in prompts
+    ]
     errors_before = metric(server, "tandem_stream_errors_total")
-    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
-        results = list(pool.map(stream, prompts))
+    outcomes = InThread(Sender(server, MODEL), requests_of(bodies)).join()
+    results = [(o.text, o.choices[0].finish_reason, o.num_tokens) for o in outcomes]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     for prompt, (text, finish, tokens) in zip(prompts, results, strict=True):
         [[want]] = engine.generate([demo_tok.encode(prompt)], params)
