@@ -7,11 +7,17 @@ Penalty conventions (declared here, as docs/design.md#sampling-order asks):
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
 class InvalidSamplingParams(ValueError):
-    """A sampling parameter is out of range; the message names the field and the value."""
+    """A sampling parameter is out of range. ``field`` is the parameter's name (an API maps it to
+    its own field without reading the message); the message names the field and the value."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -65,7 +71,7 @@ class SamplingParams:
 
     def _validate(self) -> None:
         def bad(name: str, why: str) -> InvalidSamplingParams:
-            return InvalidSamplingParams(f"{name}={getattr(self, name)!r}: {why}")
+            return InvalidSamplingParams(name, f"{name}={getattr(self, name)!r}: {why}")
 
         if self.n < 1:
             raise bad("n", "must be >= 1")
@@ -108,9 +114,10 @@ class SamplingParams:
             raise bad("allowed_token_ids", "every allowed token is also a banned word")
         if any(s == "" for s in self.stop):
             raise bad("stop", "stop strings must not be empty")
-        for tid in (*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())):
-            if tid < 0:
-                raise InvalidSamplingParams(f"token id {tid} is negative")
+        for name, ids in self._token_id_fields():
+            for tid in ids:
+                if tid < 0:
+                    raise InvalidSamplingParams(name, f"token id {tid} is negative")
 
     @property
     def greedy(self) -> bool:
@@ -118,14 +125,22 @@ class SamplingParams:
 
     def validate_vocab(self, vocab_size: int) -> None:
         """Raise InvalidSamplingParams if a token id falls outside the model's vocabulary."""
-        ids = [*self.stop_token_ids, *self.logit_bias, *(self.allowed_token_ids or ())]
-        ids += [t for w in self.bad_words_ids for t in w]
-        for tid in ids:
-            if tid >= vocab_size:
-                raise InvalidSamplingParams(
-                    f"token id {tid} is outside the vocabulary (size {vocab_size})"
-                )
+        words = ("bad_words_ids", [t for w in self.bad_words_ids for t in w])
+        for name, ids in (*self._token_id_fields(), words):
+            for tid in ids:
+                if tid >= vocab_size:
+                    raise InvalidSamplingParams(
+                        name, f"token id {tid} is outside the vocabulary (size {vocab_size})"
+                    )
         if self.top_k > vocab_size:
             raise InvalidSamplingParams(
-                f"top_k={self.top_k}: larger than the vocabulary ({vocab_size})"
+                "top_k", f"top_k={self.top_k}: larger than the vocabulary ({vocab_size})"
             )
+
+    def _token_id_fields(self) -> tuple[tuple[str, Iterable[int]], ...]:
+        """The fields that hold single token ids, by name."""
+        return (
+            ("stop_token_ids", self.stop_token_ids),
+            ("logit_bias", self.logit_bias),
+            ("allowed_token_ids", self.allowed_token_ids or ()),
+        )
