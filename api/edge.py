@@ -1,9 +1,13 @@
-"""The FastAPI application's edges (docs/design.md#api): what no route answers, and what the
-OpenAPI document says about the routes.
+"""The FastAPI application's edges (docs/design.md#api): what no route answers, what a route
+that fails answers, and what the OpenAPI document says about the routes.
 
 - A request no route takes gets OpenAI's error object, as every other error does: 404
   ``unknown_url`` for an unknown path, 405 ``method_not_allowed`` (with ``Allow``) for a known
   path and the wrong method.
+- An exception no code handled is a 500 error object of type ``internal_error`` naming the
+  request (its id, or its method and path), logged with its traceback under the same name:
+  never Starlette's plain-text 500. The generation routes catch their own (``api.app``), so
+  their log line carries the response id the client can quote.
 - The generation routes read their body raw (``api.app`` parses it itself, so a 400 names the
   field as OpenAI's does, never FastAPI's 422), so FastAPI cannot see the body's type: each
   route declares it (``json_body``), and the document carries the request models' JSON
@@ -12,6 +16,7 @@ OpenAPI document says about the routes.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -21,6 +26,7 @@ from starlette.exceptions import HTTPException
 
 from api.protocol import JSON_MEDIA_TYPE, APIError, ErrorResponse
 
+logger = logging.getLogger("tandem.api")
 _SCHEMA_REF = "#/components/schemas/{model}"
 _CODES = {404: "unknown_url", 405: "method_not_allowed"}
 
@@ -55,7 +61,9 @@ class OpenAIApp(FastAPI):
         # One URL per endpoint: a trailing slash is an unknown path, not a redirect a client
         # may or may not follow with its body.
         super().__init__(
-            exception_handlers={HTTPException: _routing_error}, redirect_slashes=False, **kwargs
+            exception_handlers={HTTPException: _routing_error, Exception: _unhandled},
+            redirect_slashes=False,
+            **kwargs,
         )
 
     def json_body(self, model: type[BaseModel]) -> dict[str, Any]:
@@ -92,3 +100,22 @@ async def _routing_error(request: Request, exc: Exception) -> JSONResponse:
         message = f"{where}: {exc.detail}"
     err = APIError(exc.status_code, message, code=_CODES.get(exc.status_code))
     return JSONResponse(err.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+def error_response(error: APIError) -> JSONResponse:
+    """An error's HTTP answer: its object, its status and its ``Retry-After``, if any."""
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
+
+
+def internal_error(exc: BaseException, request_id: str) -> APIError:
+    """The 500 of a bug: the client learns the exception's class and the request, the log the
+    traceback under the same request."""
+    logger.error("%s: internal error", request_id, exc_info=exc)
+    message = f"internal error: {type(exc).__name__} (request {request_id})"
+    return APIError(500, message, type="internal_error")
+
+
+async def _unhandled(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's last resort (its ServerErrorMiddleware, which re-raises ``exc`` to the
+    server once this answer is sent)."""
+    return error_response(internal_error(exc, f"{request.method} {request.url.path}"))

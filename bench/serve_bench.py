@@ -56,7 +56,7 @@ import ray  # noqa: E402
 import yaml  # noqa: E402
 from ray import serve  # noqa: E402
 
-from api import protocol  # noqa: E402
+from api import protocol, translate  # noqa: E402
 from cluster.coordinator import Coordinator  # noqa: E402
 from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient  # noqa: E402
 from contracts.messages import RequestSpec, WorkerInfo  # noqa: E402
@@ -356,7 +356,7 @@ async def steady_state(
     coordinator, vocab_size = await direct_coordinator(topology, model_dir)
     # The direct pass runs the very parameters the ingress derives from the HTTP body.
     body = request_body(topology.model.name, [TOKEN_RANGE[0]], args.output_len)
-    params = protocol.sampling_params(
+    params = translate.sampling_params(
         protocol.parse_completion(json.dumps(body).encode()),
         vocab_size=vocab_size,
         default_max_tokens=args.output_len,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from api import protocol
+from api import protocol, responses, translate
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from tandem.topology import Topology
@@ -47,15 +47,15 @@ def expected(
     prompts, params, shape = [], [], []
     for body, seed in requests:
         req = protocol.parse_completion(json.dumps({"model": "m", **body}).encode())
-        [ids] = protocol.completion_prompts(req, tokenizer)
-        base = protocol.sampling_params(
+        [ids] = translate.completion_prompts(req, tokenizer)
+        base = translate.sampling_params(
             req, vocab_size=tokenizer.vocab_size, default_max_tokens=body["max_tokens"]
         )
         if base.seed is None and seed is not None:
             base = replace(base, seed=seed)
         for i in range(req.n):
             prompts.append(ids)
-            params.append(protocol.choice_params(base, i))
+            params.append(translate.choice_params(base, i))
         shape.append(req.n)
     outputs = [out for [out] in engine.generate(prompts, params)]
     answers, at = [], 0
@@ -66,7 +66,7 @@ def expected(
 
 
 def _expected(engine: LLMEngine, out: Any) -> Expected:
-    fields = protocol.completion_logprobs(
+    fields = responses.completion_logprobs(
         engine.tokenizer, out.token_ids, out.logprobs or [], num_top=1
     )
     return Expected(
@@ -74,5 +74,5 @@ def _expected(engine: LLMEngine, out: Any) -> Expected:
         tokens=fields["tokens"],
         token_logprobs=fields["token_logprobs"],
         top_logprobs=fields["top_logprobs"],
-        finish_reason=protocol.openai_finish_reason(out.finish_reason),
+        finish_reason=responses.openai_finish_reason(out.finish_reason),
     )

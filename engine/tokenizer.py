@@ -127,6 +127,60 @@ class Tokenizer:
         return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 
 
+# -- token bytes ----------------------------------------------------------------------------------
+# What a token adds to the output's bytes, whatever the tokenizer's family: logprobs objects show
+# it, and a grammar matching the output must see the same bytes.
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
+    """The bytes ``token_id`` adds to the output text.
+
+    A token alone may decode without its leading space (SentencePiece's Strip decoder) or to
+    U+FFFD (part of a UTF-8 character), so: byte-fallback tokens are their byte; other tokens
+    are decoded after an anchor token and the anchor's text cut off; byte-level BPE pieces of a
+    character are mapped back through the GPT-2 byte alphabet."""
+    piece = tokenizer.id_to_token(token_id)
+    if piece is None:
+        return b""
+    if token_id in tokenizer.byte_token_ids:
+        return bytes([int(piece[3:5], 16)])
+    if token_id in tokenizer.special_token_ids:
+        return piece.encode()
+    anchor = min(tokenizer.special_token_ids, default=None)
+    if anchor is None:
+        text = tokenizer.decode([token_id], skip_special_tokens=False)
+    else:
+        prefix = tokenizer.decode([anchor], skip_special_tokens=False)
+        text = tokenizer.decode([anchor, token_id], skip_special_tokens=False)
+        text = text.removeprefix(prefix)
+    if "\ufffd" in text and "\ufffd" not in piece and all(ch in _UNICODE_TO_BYTE for ch in piece):
+        return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+    return text.encode()
+
+
+def token_string(raw: bytes) -> str:
+    """A token's text for the ``token`` fields: its UTF-8 text, or ``bytes:\\xe6\\x97`` for
+    part of a character (OpenAI's form)."""
+    try:
+        return raw.decode()
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte: printable Latin-1 as itself, the
+    rest shifted to U+0100 onward in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    table = {chr(b): b for b in printable}
+    shifted = (b for b in range(256) if b not in set(printable))
+    for i, b in enumerate(shifted):
+        table[chr(0x100 + i)] = b
+    return table
+
+
+_UNICODE_TO_BYTE = _gpt2_byte_alphabet()
+
+
 class _TemplateError(jinja2.TemplateError):
     """What a template's ``raise_exception(...)`` raises; reported as ValueError."""
 

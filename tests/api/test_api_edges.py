@@ -26,11 +26,11 @@ from api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
-    check_choices,
     check_content_type,
     parse_chat,
     parse_completion,
 )
+from api.translate import check_choices
 from tandem.deployment import app
 
 MSGS = [{"role": "user", "content": "hi"}]

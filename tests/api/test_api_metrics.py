@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.app import _api_error, health_body, worker_view
+from api.choices import _api_error
 from api.metrics import (
     REJECTION_CAUSES,
     STREAM_ERROR_CAUSES,
@@ -20,6 +20,7 @@ from api.metrics import (
     RequestTiming,
     log_record,
 )
+from api.operator_plane import health_body, worker_view
 from cluster.retry import GiveUp, RetriesExhausted
 from contracts.roles import Role
 from contracts.routing import AdmissionRefused, Refusal, WorkerState
@@ -501,7 +502,7 @@ def test_worker_view_names_the_state_and_every_field() -> None:
 def test_each_failure_before_a_token_is_its_status_with_retry_after_where_retrying_helps(
     exc: Exception, status: int, code: str, retry_after: str | None
 ) -> None:
-    err = _api_error(exc)
+    err = _api_error(exc, "cmpl-1")
     assert (err.status, err.code) == (status, code)
     assert err.headers().get("Retry-After") == retry_after
 

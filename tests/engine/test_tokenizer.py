@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.demo_model import BYTE_TOKENS, CHAT_TEMPLATE, SPECIAL_TOKENS
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, token_bytes, token_string
 
 SETTINGS = settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -150,3 +150,58 @@ def test_ids_outside_the_vocabulary_decode_to_nothing(demo_tok: Tokenizer) -> No
     ids = demo_tok.encode("the", add_special_tokens=False)
     assert demo_tok.decode([*ids, demo_tok.vocab_size, 10**6]) == "the"
     assert demo_tok.convert_ids_to_tokens([demo_tok.vocab_size]) == [None]
+
+
+# -- token bytes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tok_name", ["demo_tok", "bl_tok"])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    text=st.text(
+        st.characters(codec="utf-8", exclude_categories=["Cs", "Cc"]), min_size=1, max_size=12
+    )
+)
+def test_token_bytes_rebuild_the_text(
+    request: pytest.FixtureRequest, tok_name: str, text: str
+) -> None:
+    """Mid-stream, each token adds exactly its bytes: a token after the prompt is decoded the
+    way the detokenizer sees it (leading spaces kept, split characters as their bytes). A
+    special token (text like "<s>" parses to one) adds no text; its logprob entry still names
+    it by its own piece, as OpenAI's and vLLM's do."""
+    tok: Tokenizer = request.getfixturevalue(tok_name)
+    prompt = tok.encode("x", add_special_tokens=False)
+    ids = tok.encode("x" + text, add_special_tokens=False)
+    if ids[: len(prompt)] != prompt:
+        return  # "x" merged into the text's first token
+    new = ids[len(prompt) :]
+    joined = b"".join(token_bytes(tok, t) for t in new if t not in tok.special_token_ids)
+    assert joined == tok.decode(ids).encode()[len(tok.decode(prompt).encode()) :]
+    for t in new:
+        if t in tok.special_token_ids:
+            assert token_bytes(tok, t) == str(tok.id_to_token(t)).encode()
+
+
+@pytest.mark.parametrize("tok_name", ["demo_tok", "bl_tok"])
+def test_token_bytes_around_a_special_token(request: pytest.FixtureRequest, tok_name: str) -> None:
+    """The case hypothesis found: "<s>" in the text is the special token, which adds no text."""
+    tok: Tokenizer = request.getfixturevalue(tok_name)
+    special = min(tok.special_token_ids)
+    piece = str(tok.id_to_token(special))
+    prompt = tok.encode("x", add_special_tokens=False)
+    ids = tok.encode("x" + piece, add_special_tokens=False)
+    assert ids == [*prompt, special]
+    assert tok.decode(ids) == tok.decode(prompt)  # no text added
+    assert token_bytes(tok, special) == piece.encode()
+
+
+def test_token_strings_of_split_characters(demo_tok: Tokenizer, bl_tok: Tokenizer) -> None:
+    ids = demo_tok.encode("日", add_special_tokens=False)
+    raws = [token_bytes(demo_tok, t) for t in ids]
+    assert b"".join(raws).strip() == "日".encode()
+    assert token_string(b"\xe6\x97") == "bytes:\\xe6\\x97"
+    assert token_string(" é".encode()) == " é"
+    bl_ids = bl_tok.encode("🙂", add_special_tokens=False)
+    assert b"".join(token_bytes(bl_tok, t) for t in bl_ids) == "🙂".encode()

@@ -1,0 +1,339 @@
+"""A request's choices on the cluster: the one place the edge meets the cluster's request and
+delta types. ``Choices.run`` sends each choice of a :class:`~api.translate.Job` to the
+coordinator as a ``RequestSpec`` and yields the ``ClientDelta``s that come back, merged into
+one stream; ``complete`` gathers them into the response object, ``stream`` into SSE chunks.
+A choice that fails for good is an ``APIError`` (``_api_error``: a refusal's status and
+``Retry-After``, a deadline's 504, a bug's 500).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal, TypeVar
+
+from fastapi import Response
+from fastapi.responses import JSONResponse
+
+from api import responses
+from api.edge import error_response, internal_error
+from api.gate import Ticket
+from api.metrics import Metrics, RequestTiming, log_record
+from api.protocol import APIError
+from api.translate import Job
+from cluster.client_stream import ClientDelta
+from cluster.coordinator import ClientRecord, Coordinator
+from cluster.retry import GiveUp, RetriesExhausted
+from contracts.messages import RequestSpec
+from contracts.routing import UNAVAILABLE_RETRY_AFTER_S, AdmissionRefused, Refusal
+from engine.request import FinishReason
+from engine.sampler import TokenLogprobs
+from engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("tandem.api")
+# SSE chunks a request may have ready for a slow client before its choices stop pulling.
+STREAM_BUFFER = 8
+_T = TypeVar("_T")
+
+
+@dataclass
+class _Choice:
+    """One choice's accumulated output (the non-streaming answer, the usage count)."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first delta, if asked
+    started: bool = False  # a delta came (a stream's first chunk carries the prompt's report)
+
+
+class Choices:
+    """Runs a job's choices on the cluster and turns their deltas into its answer."""
+
+    def __init__(self, coordinator: Coordinator, tokenizer: Tokenizer, metrics: Metrics) -> None:
+        self.coordinator = coordinator
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+
+    async def complete(
+        self,
+        job: Job,
+        first: tuple[int, ClientDelta] | None,
+        deltas: AsyncIterator[tuple[int, ClientDelta]],
+    ) -> Response:
+        choices = [_Choice(i) for i in range(len(job.prompts))]
+        try:
+            if first is not None:
+                _absorb(choices[first[0]], first[1])
+                async for index, delta in deltas:
+                    _absorb(choices[index], delta)
+        except APIError as exc:
+            return error_response(exc)
+        done = [
+            responses.Choice(
+                c.index,
+                c.text,
+                c.token_ids,
+                c.finish_reason or FinishReason.MAX_TOKENS,
+                c.logprobs if job.logprobs else None,
+                None if job.chat else _prompt(job, c.index, c.prompt_logprobs),
+            )
+            for c in choices
+        ]
+        if job.chat:
+            body = responses.chat_response(
+                job.meta, done, prompt_tokens=job.prompt_tokens, tokenizer=self.tokenizer
+            )
+        else:
+            body = responses.completion_response(
+                job.meta,
+                done,
+                prompt_tokens=job.prompt_tokens,
+                tokenizer=self.tokenizer,
+                report=job.report,
+            )
+        return JSONResponse(body)
+
+    async def stream(
+        self,
+        job: Job,
+        ticket: Ticket,
+        first: tuple[int, ClientDelta] | None,
+        deltas: AsyncIterator[tuple[int, ClientDelta]],
+    ) -> AsyncIterator[bytes]:
+        choices = [_Choice(i) for i in range(len(job.prompts))]
+        try:
+            if job.chat:
+                for index in range(len(choices)):
+                    yield responses.sse(responses.chat_chunk(job.meta, index, role=True))
+            rest = deltas if first is None else _chain(first, deltas)
+            async for index, delta in rest:
+                choice = choices[index]
+                for chunk in self.chunks(job, choice, delta):
+                    yield responses.sse(chunk)
+                _absorb(choice, delta)
+            if job.include_usage:
+                completion_tokens = sum(len(c.token_ids) for c in choices)
+                kind: Literal["text_completion", "chat.completion.chunk"] = (
+                    "chat.completion.chunk" if job.chat else "text_completion"
+                )
+                yield responses.sse(
+                    responses.usage_chunk(
+                        job.meta,
+                        kind,
+                        prompt_tokens=job.prompt_tokens,
+                        completion_tokens=completion_tokens,
+                    )
+                )
+        except Exception as exc:  # headers are sent: the error travels as an SSE event
+            error = exc if isinstance(exc, APIError) else internal_error(exc, job.meta.id)
+            self.metrics.observe_stream_error(error.code or "internal")
+            sent = sum(len(c.token_ids) for c in choices)
+            logger.warning("%s: stream ended after %d token(s): %s", job.meta.id, sent, error)
+            yield responses.sse(error.body())
+        finally:
+            ticket.release()
+        yield responses.SSE_DONE
+
+    def chunks(self, job: Job, choice: _Choice, delta: ClientDelta) -> list[dict[str, Any]]:
+        """The SSE objects for one delta of one choice (before it is absorbed)."""
+        finish = delta.finish_reason if delta.finished else None
+        if job.chat:
+            logprobs = None
+            if job.logprobs and delta.logprobs:
+                logprobs = responses.chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs)
+            out = []
+            if delta.text or logprobs is not None:
+                out.append(
+                    responses.chat_chunk(
+                        job.meta, choice.index, content=delta.text, logprobs=logprobs
+                    )
+                )
+            if finish is not None:
+                out.append(responses.chat_chunk(job.meta, choice.index, finish_reason=finish))
+            return out
+        lps = delta.logprobs if job.logprobs else None
+        if not choice.started:  # the first chunk: what the choice reports of its prompt leads
+            prompt = _prompt(job, choice.index, delta.prompt_logprobs)
+            fields = responses.completion_fields(
+                self.tokenizer, job.report, prompt, delta.text, delta.token_ids, lps
+            )
+        else:
+            echoed = len(job.prompt_texts[choice.index]) if job.report.echo else 0
+            fields = {"text": delta.text, "logprobs": None}
+            if lps:
+                fields["logprobs"] = responses.completion_logprobs(
+                    self.tokenizer, delta.token_ids, lps, text_offset=echoed + len(choice.text)
+                )
+        if not fields["text"] and fields["logprobs"] is None and finish is None:
+            return []
+        return [responses.completion_chunk(job.meta, choice.index, finish_reason=finish, **fields)]
+
+    async def run(self, job: Job) -> AsyncGenerator[tuple[int, ClientDelta], None]:
+        """Run every choice concurrently; yield (choice index, delta) as they come. Raises
+        APIError when a choice fails for good; cancelling this generator cancels them all."""
+        ready: asyncio.Queue[tuple[int, ClientDelta | BaseException | None]] = asyncio.Queue(
+            STREAM_BUFFER
+        )
+
+        async def run_choice(index: int) -> None:
+            spec = RequestSpec(
+                request_id=f"{job.meta.id}-{index}",
+                prompt_token_ids=job.prompts[index],
+                params=job.params[index],
+                cache_salt=job.tenant,
+                deadline=job.deadline,
+                arrival_time=job.arrival,
+                priority=job.priority,
+            )
+            timing = _Timing(self.metrics, job, index)
+            outcome: Exception | None = None  # None: the choice finished
+            run = self.coordinator.generate(spec)
+            try:
+                # Closed on the way out, so a cancelled choice's CANCELLED record is in by
+                # the time it is observed (its generator may sit at a yield, not at an await).
+                async with contextlib.aclosing(run):
+                    async for delta in run:
+                        timing.emitted(delta)
+                        await ready.put((index, _no_tokens(delta) if job.score_only else delta))
+            except Exception as exc:
+                outcome = exc
+            finally:  # one record per choice, a cancelled one (the client went away) too
+                timing.done(run.record)
+            await ready.put((index, outcome))
+
+        tasks = [asyncio.ensure_future(run_choice(i)) for i in range(len(job.prompts))]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await ready.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, BaseException):
+                    error = _api_error(item, job.meta.id)
+                    if error.code in REFUSALS:
+                        self.metrics.observe_rejection(error.code)
+                    raise error from item
+                elif item.finish_reason is FinishReason.DEADLINE:  # it passed mid-request
+                    raise APIError(
+                        504,
+                        f"request timed out after {_timeout_s(job):.1f} s",
+                        type="timeout_error",
+                        code="timeout",
+                    )
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Timing:
+    """Emit times of one choice, turned into its RequestTiming and record once it ends."""
+
+    def __init__(self, metrics: Metrics, job: Job, index: int) -> None:
+        self.metrics = metrics
+        self.job = job
+        self.index = index
+        self.emit_times: list[float] = []
+
+    def emitted(self, delta: ClientDelta) -> None:
+        now = time.time()
+        self.emit_times.extend(now for _ in delta.token_ids)
+
+    def done(self, record: ClientRecord | None) -> None:
+        if record is None:  # the choice never started (cancelled before its first step)
+            return
+        timing = RequestTiming(
+            request_id=record.request_id,
+            tenant=self.job.tenant,
+            status=record.status,
+            finish_reason=record.finish_reason,
+            arrival=self.job.arrival,
+            emit_times=self.emit_times,
+            finished=record.finished,
+            num_prompt_tokens=record.num_prompt_tokens,
+            queue_time_s=record.queue_time_s,
+        )
+        self.metrics.observe_request(timing)
+        log_record(timing)
+
+
+def _absorb(choice: _Choice, delta: ClientDelta) -> None:
+    choice.started = True
+    choice.token_ids.extend(delta.token_ids)
+    choice.text += delta.text
+    if delta.logprobs:
+        choice.logprobs.extend(delta.logprobs)
+    if delta.prompt_logprobs is not None:
+        choice.prompt_logprobs = delta.prompt_logprobs
+    if delta.finished:
+        choice.finish_reason = delta.finish_reason
+
+
+def _prompt(job: Job, index: int, logprobs: list[TokenLogprobs | None] | None) -> responses.Prompt:
+    """Choice ``index``'s prompt, for what it reports of it (``job.report``)."""
+    text = job.prompt_texts[index] if job.report.echo else ""
+    return responses.Prompt(text, job.prompts[index], logprobs)
+
+
+def _no_tokens(delta: ClientDelta) -> ClientDelta:
+    """``max_tokens: 0`` with echo: the prompt is scored and the token the engine sampled
+    after it (it always samples one) dropped; the choice ends ``length``, as vLLM's."""
+    return replace(
+        delta,
+        token_ids=[],
+        text="",
+        logprobs=None if delta.logprobs is None else [],
+        finish_reason=FinishReason.MAX_TOKENS if delta.finished else None,
+    )
+
+
+def _timeout_s(job: Job) -> float:
+    assert job.deadline is not None, "only a request with a deadline times out"
+    return job.deadline - job.arrival
+
+
+# The HTTP status of each refusal by the cluster's admission (all before the first token).
+_REFUSAL_STATUS = {
+    Refusal.QUEUE_FULL: 429,
+    Refusal.WAIT_EXCEEDS_DEADLINE: 503,
+    Refusal.DEADLINE_PASSED: 504,
+    Refusal.UNAVAILABLE: 503,
+}
+REFUSALS = frozenset({"kv_capacity", *(r.value for r in Refusal)})
+
+
+async def _chain(first: _T, rest: AsyncIterator[_T]) -> AsyncIterator[_T]:
+    yield first
+    async for item in rest:
+        yield item
+
+
+def _api_error(exc: BaseException, request_id: str) -> APIError:
+    """What the client sees of a choice that failed for good (``request_id``: the log's)."""
+    if isinstance(exc, AdmissionRefused):
+        return APIError(
+            _REFUSAL_STATUS[exc.reason],
+            f"request refused before it started: {exc.detail}",
+            code=exc.reason.value,
+            retry_after_s=exc.retry_after_s,
+        )
+    if isinstance(exc, RetriesExhausted):
+        if exc.why is GiveUp.DEADLINE:
+            return APIError(504, f"request timed out: {exc}", code="timeout")
+        if exc.rejected:  # phase 2: no replica had KV room for it
+            return APIError(503, f"no capacity for the request: {exc}", code="kv_capacity")
+        return APIError(
+            503, f"request failed: {exc}", code="failed", retry_after_s=UNAVAILABLE_RETRY_AFTER_S
+        )
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc), code="invalid_request")
+    return internal_error(exc, request_id)
