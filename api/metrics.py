@@ -139,6 +139,27 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._declare_latencies()
+        self._declare_counts()
+        self._declare_worker_gauges()
+        r = self.registry
+        self.stream_errors = Counter(
+            "tandem_stream_errors_total",
+            "Streams that ended with an error event after their first token, by cause.",
+            ["cause"],
+            registry=r,
+        )
+        self.failures = FailureCounts()
+        r.register(self.failures)
+        # Every cause is exported from the start (at 0), so a rate() over it is defined
+        # before the first rejection.
+        for cause in REJECTION_CAUSES:
+            self.rejections.labels(cause=cause)
+        for cause in STREAM_ERROR_CAUSES:
+            self.stream_errors.labels(cause=cause)
+
+    def _declare_latencies(self) -> None:
+        """The histograms of a request's latencies and of its KV transfer."""
         r = self.registry
         self.ttft = Histogram(
             "tandem_time_to_first_token_seconds",
@@ -182,6 +203,10 @@ class Metrics:
             buckets=TRANSFER_BYTES_BUCKETS,
             registry=r,
         )
+
+    def _declare_counts(self) -> None:
+        """Terminal requests, refusals and tokens."""
+        r = self.registry
         self.requests = Counter(
             "tandem_requests_total",
             "Terminal requests, rejected ones included, by status and the engine's finish reason.",
@@ -202,6 +227,10 @@ class Metrics:
             "Output tokens emitted to clients by terminal requests.",
             registry=r,
         )
+
+    def _declare_worker_gauges(self) -> None:
+        """The workers' load as the router last saw it, and the ingress's own queues."""
+        r = self.registry
         self.kv_usage = Gauge(
             "tandem_kv_usage_ratio", "KV blocks in use / total.", ["worker"], registry=r
         )
@@ -233,20 +262,6 @@ class Metrics:
             "Requests waiting in the router's admission queue for a prefill/decode path.",
             registry=r,
         )
-        self.stream_errors = Counter(
-            "tandem_stream_errors_total",
-            "Streams that ended with an error event after their first token, by cause.",
-            ["cause"],
-            registry=r,
-        )
-        self.failures = FailureCounts()
-        r.register(self.failures)
-        # Every cause is exported from the start (at 0), so a rate() over it is defined
-        # before the first rejection.
-        for cause in REJECTION_CAUSES:
-            self.rejections.labels(cause=cause)
-        for cause in STREAM_ERROR_CAUSES:
-            self.stream_errors.labels(cause=cause)
 
     def observe_request(self, t: RequestTiming) -> None:
         """Count a terminal request and observe its latencies (those defined for it). A
