@@ -1,6 +1,6 @@
 """The OpenAI API's wire format: the request models, the error object and the limits. Schema
-only: what a request means to the engine is ``api.translate``'s, what is sent back
-``api.responses``'.
+only: ``api.translate`` turns a request into what the cluster runs, ``api.responses`` builds
+what goes back.
 
 Requests are parsed straight from the body bytes into strict pydantic models; anything wrong
 (malformed JSON, a wrong type, a value out of range, an unknown field) becomes an ``APIError``
