@@ -1,7 +1,8 @@
 """A request's choices on the cluster: the one place the edge meets the cluster's request and
 delta types. ``Choices.run`` sends each choice of a :class:`~api.translate.Job` to the
-coordinator as a ``RequestSpec`` and yields the ``ClientDelta``s that come back, merged into
-one stream; ``complete`` gathers them into the response object, ``stream`` into SSE chunks.
+coordinator as an ``EngineRequest`` and yields the ``TokenDelta``s that come back, merged into
+one stream; ``complete`` gathers each choice's into one (``TokenDelta.then``) for the response
+object, ``stream`` turns them into SSE chunks.
 A choice that fails for good is an ``APIError`` (``_api_error``: a refusal's status and
 ``Retry-After``, a deadline's 504, a bug's 500).
 """
@@ -13,7 +14,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
 from fastapi import Response
@@ -25,13 +26,11 @@ from api.gate import Ticket
 from api.metrics import Metrics, RequestTiming, log_record
 from api.protocol import APIError
 from api.translate import Job
-from cluster.client_stream import ClientDelta
 from cluster.coordinator import ClientRecord, Coordinator
 from cluster.retry import GiveUp, RetriesExhausted
-from contracts.messages import RequestSpec
 from contracts.routing import UNAVAILABLE_RETRY_AFTER_S, AdmissionRefused, Refusal
-from engine.request import FinishReason
-from engine.sampler import TokenLogprobs
+from engine.outputs import TokenDelta, TokenLogprobs
+from engine.request import EngineRequest, FinishReason
 from engine.tokenizer import Tokenizer
 
 logger = logging.getLogger("tandem.api")
@@ -40,17 +39,18 @@ STREAM_BUFFER = 8
 _T = TypeVar("_T")
 
 
-@dataclass
-class _Choice:
-    """One choice's accumulated output (the non-streaming answer, the usage count)."""
+# Each choice's deltas so far, merged into one (None: none came yet; a stream's first chunk
+# carries what the choice reports of its prompt).
+_Gathered = list[TokenDelta | None]
 
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # with the first delta, if asked
-    started: bool = False  # a delta came (a stream's first chunk carries the prompt's report)
+
+def _absorb(gathered: _Gathered, index: int, delta: TokenDelta) -> None:
+    before = gathered[index]
+    gathered[index] = delta if before is None else before.then(delta)
+
+
+def _num_tokens(gathered: _Gathered) -> int:
+    return sum(len(d.token_ids) for d in gathered if d is not None)
 
 
 class Choices:
@@ -64,27 +64,27 @@ class Choices:
     async def complete(
         self,
         job: Job,
-        first: tuple[int, ClientDelta] | None,
-        deltas: AsyncIterator[tuple[int, ClientDelta]],
+        first: tuple[int, TokenDelta] | None,
+        deltas: AsyncIterator[tuple[int, TokenDelta]],
     ) -> Response:
-        choices = [_Choice(i) for i in range(len(job.prompts))]
+        gathered: _Gathered = [None] * len(job.prompts)
         try:
             if first is not None:
-                _absorb(choices[first[0]], first[1])
+                _absorb(gathered, *first)
                 async for index, delta in deltas:
-                    _absorb(choices[index], delta)
+                    _absorb(gathered, index, delta)
         except APIError as exc:
             return error_response(exc)
         done = [
             responses.Choice(
-                c.index,
-                c.text,
-                c.token_ids,
-                c.finish_reason or FinishReason.MAX_TOKENS,
-                c.logprobs if job.logprobs else None,
-                None if job.chat else _prompt(job, c.index, c.prompt_logprobs),
+                index,
+                d.text,
+                d.token_ids,
+                d.finish_reason or FinishReason.MAX_TOKENS,
+                (d.logprobs or []) if job.logprobs else None,
+                None if job.chat else _prompt(job, index, d.prompt_logprobs),
             )
-            for c in choices
+            for index, d in enumerate(g or TokenDelta(job.meta.id, []) for g in gathered)
         ]
         if job.chat:
             body = responses.chat_response(
@@ -104,22 +104,21 @@ class Choices:
         self,
         job: Job,
         ticket: Ticket,
-        first: tuple[int, ClientDelta] | None,
-        deltas: AsyncIterator[tuple[int, ClientDelta]],
+        first: tuple[int, TokenDelta] | None,
+        deltas: AsyncIterator[tuple[int, TokenDelta]],
     ) -> AsyncIterator[bytes]:
-        choices = [_Choice(i) for i in range(len(job.prompts))]
+        gathered: _Gathered = [None] * len(job.prompts)
         try:
             if job.chat:
-                for index in range(len(choices)):
+                for index in range(len(gathered)):
                     yield responses.sse(responses.chat_chunk(job.meta, index, role=True))
             rest = deltas if first is None else _chain(first, deltas)
             async for index, delta in rest:
-                choice = choices[index]
-                for chunk in self.chunks(job, choice, delta):
+                for chunk in self.chunks(job, index, gathered[index], delta):
                     yield responses.sse(chunk)
-                _absorb(choice, delta)
+                _absorb(gathered, index, delta)
             if job.include_usage:
-                completion_tokens = sum(len(c.token_ids) for c in choices)
+                completion_tokens = _num_tokens(gathered)
                 kind: Literal["text_completion", "chat.completion.chunk"] = (
                     "chat.completion.chunk" if job.chat else "text_completion"
                 )
@@ -134,15 +133,17 @@ class Choices:
         except Exception as exc:  # headers are sent: the error travels as an SSE event
             error = exc if isinstance(exc, APIError) else internal_error(exc, job.meta.id)
             self.metrics.observe_stream_error(error.code or "internal")
-            sent = sum(len(c.token_ids) for c in choices)
+            sent = _num_tokens(gathered)
             logger.warning("%s: stream ended after %d token(s): %s", job.meta.id, sent, error)
             yield responses.sse(error.body())
         finally:
             ticket.release()
         yield responses.SSE_DONE
 
-    def chunks(self, job: Job, choice: _Choice, delta: ClientDelta) -> list[dict[str, Any]]:
-        """The SSE objects for one delta of one choice (before it is absorbed)."""
+    def chunks(
+        self, job: Job, index: int, before: TokenDelta | None, delta: TokenDelta
+    ) -> list[dict[str, Any]]:
+        """The SSE objects for one delta of choice ``index`` (``before``: its deltas so far)."""
         finish = delta.finish_reason if delta.finished else None
         if job.chat:
             logprobs = None
@@ -151,41 +152,40 @@ class Choices:
             out = []
             if delta.text or logprobs is not None:
                 out.append(
-                    responses.chat_chunk(
-                        job.meta, choice.index, content=delta.text, logprobs=logprobs
-                    )
+                    responses.chat_chunk(job.meta, index, content=delta.text, logprobs=logprobs)
                 )
             if finish is not None:
-                out.append(responses.chat_chunk(job.meta, choice.index, finish_reason=finish))
+                out.append(responses.chat_chunk(job.meta, index, finish_reason=finish))
             return out
         lps = delta.logprobs if job.logprobs else None
-        if not choice.started:  # the first chunk: what the choice reports of its prompt leads
-            prompt = _prompt(job, choice.index, delta.prompt_logprobs)
+        if before is None:  # the first chunk: what the choice reports of its prompt leads
+            prompt = _prompt(job, index, delta.prompt_logprobs)
             fields = responses.completion_fields(
                 self.tokenizer, job.report, prompt, delta.text, delta.token_ids, lps
             )
         else:
-            echoed = len(job.prompt_texts[choice.index]) if job.report.echo else 0
+            echoed = len(job.prompt_texts[index]) if job.report.echo else 0
             fields = {"text": delta.text, "logprobs": None}
             if lps:
                 fields["logprobs"] = responses.completion_logprobs(
-                    self.tokenizer, delta.token_ids, lps, text_offset=echoed + len(choice.text)
+                    self.tokenizer, delta.token_ids, lps, text_offset=echoed + len(before.text)
                 )
         if not fields["text"] and fields["logprobs"] is None and finish is None:
             return []
-        return [responses.completion_chunk(job.meta, choice.index, finish_reason=finish, **fields)]
+        return [responses.completion_chunk(job.meta, index, finish_reason=finish, **fields)]
 
-    async def run(self, job: Job) -> AsyncGenerator[tuple[int, ClientDelta], None]:
+    async def run(self, job: Job) -> AsyncGenerator[tuple[int, TokenDelta], None]:
         """Run every choice concurrently; yield (choice index, delta) as they come. Raises
         APIError when a choice fails for good; cancelling this generator cancels them all."""
-        ready: asyncio.Queue[tuple[int, ClientDelta | BaseException | None]] = asyncio.Queue(
+        ready: asyncio.Queue[tuple[int, TokenDelta | BaseException | None]] = asyncio.Queue(
             STREAM_BUFFER
         )
 
         async def run_choice(index: int) -> None:
-            spec = RequestSpec(
-                request_id=f"{job.meta.id}-{index}",
-                prompt_token_ids=job.prompts[index],
+            spec = EngineRequest(
+                request_id=job.meta.id,
+                choice=index,
+                prompt_token_ids=tuple(job.prompts[index]),
                 params=job.params[index],
                 cache_salt=job.tenant,
                 deadline=job.deadline,
@@ -244,7 +244,7 @@ class _Timing:
         self.index = index
         self.emit_times: list[float] = []
 
-    def emitted(self, delta: ClientDelta) -> None:
+    def emitted(self, delta: TokenDelta) -> None:
         now = time.time()
         self.emit_times.extend(now for _ in delta.token_ids)
 
@@ -266,25 +266,13 @@ class _Timing:
         log_record(timing)
 
 
-def _absorb(choice: _Choice, delta: ClientDelta) -> None:
-    choice.started = True
-    choice.token_ids.extend(delta.token_ids)
-    choice.text += delta.text
-    if delta.logprobs:
-        choice.logprobs.extend(delta.logprobs)
-    if delta.prompt_logprobs is not None:
-        choice.prompt_logprobs = delta.prompt_logprobs
-    if delta.finished:
-        choice.finish_reason = delta.finish_reason
-
-
 def _prompt(job: Job, index: int, logprobs: list[TokenLogprobs | None] | None) -> responses.Prompt:
     """Choice ``index``'s prompt, for what it reports of it (``job.report``)."""
     text = job.prompt_texts[index] if job.report.echo else ""
     return responses.Prompt(text, job.prompts[index], logprobs)
 
 
-def _no_tokens(delta: ClientDelta) -> ClientDelta:
+def _no_tokens(delta: TokenDelta) -> TokenDelta:
     """``max_tokens: 0`` with echo: the prompt is scored and the token the engine sampled
     after it (it always samples one) dropped; the choice ends ``length``, as vLLM's."""
     return replace(

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from api.protocol import APIError, PromptReport
+from engine.outputs import TokenLogprobs
 from engine.request import FinishReason
-from engine.sampler import TokenLogprobs
 from engine.tokenizer import Tokenizer, token_bytes, token_string
 
 # A logprob JSON cannot carry (-inf for a token the model gives no mass): vLLM's stand-in.

@@ -37,8 +37,8 @@ loopback_env()  # before ray is imported
 
 import ray  # noqa: E402
 
-from contracts.messages import RequestSpec  # noqa: E402
 from engine import metrics  # noqa: E402
+from engine.request import EngineRequest  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.demo import ensure_demo_model  # noqa: E402
 from tandem.launch import Cluster, start_cluster  # noqa: E402
@@ -80,7 +80,9 @@ def prompts(n: int, length: int, seed: int) -> list[list[int]]:
 async def one(c: Cluster, rid: str, tokens: list[int], params: SamplingParams) -> dict[str, Any]:
     sent = time.time()
     stamps: list[float] = []
-    async for delta in c.coordinator.generate(RequestSpec(rid, tokens, params, arrival_time=sent)):
+    async for delta in c.coordinator.generate(
+        EngineRequest(rid, tuple(tokens), params, arrival_time=sent)
+    ):
         now = time.time()
         stamps.extend([now] * len(delta.token_ids))
     return {"sent": sent, "stamps": stamps}

@@ -114,12 +114,10 @@ def distinct_outputs(model: Path, deterministic: bool, runs: int) -> dict[str, i
             start_at, step, tid = rng.randrange(0, 6), 0, None
             while others or eng.has_unfinished() or tid is None:
                 if step == start_at:
-                    tid = eng.add_request(target, params)
+                    tid = eng.add_request(eng.make_request(target, params))
                 if others and rng.random() < 0.5:
-                    eng.add_request(
-                        others.pop(),
-                        SamplingParams(max_tokens=rng.randrange(4, 64), ignore_eos=True),
-                    )
+                    other = SamplingParams(max_tokens=rng.randrange(4, 64), ignore_eos=True)
+                    eng.add_request(eng.make_request(others.pop(), other))
                 eng.step()
                 step += 1
             done = {o.request_id: o for o in eng.finished_outputs()}

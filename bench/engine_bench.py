@@ -92,7 +92,7 @@ def decode_step_time(
     prompts = prompts_for(batch, ctx, vocab, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 2, ignore_eos=True)
     for p in prompts:
-        engine.add_request(p, params)
+        engine.add_request(engine.make_request(p, params))
     # Run until every sequence is decoding (all prefills done), then time decode steps.
     while any(
         s.request.num_computed_tokens < s.request.num_prompt_tokens for s in engine._seqs.values()

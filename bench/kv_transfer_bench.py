@@ -35,10 +35,10 @@ import grpc
 import torch
 
 from engine.kv_layout import KVLayout, extract_layer, write_layer
-from kv_transfer import make_transport
 from kv_transfer.exporter import KVExportRegistry, ReleaseReason
 from kv_transfer.format import TransferHeader, TransferKey, block_checksums
 from kv_transfer.grpc_transport import KVTransferServer
+from kv_transfer.transport import make_transport
 from kv_transfer.wire import CHANNEL_OPTIONS, CHUNK_BYTES
 
 RESULTS = Path(__file__).resolve().parent / "results"

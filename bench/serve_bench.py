@@ -58,10 +58,11 @@ from ray import serve  # noqa: E402
 
 from api import protocol, translate  # noqa: E402
 from cluster.coordinator import Coordinator  # noqa: E402
-from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient  # noqa: E402
-from contracts.messages import RequestSpec, WorkerInfo  # noqa: E402
+from contracts.actors import RouterClient, WorkerClient  # noqa: E402
+from contracts.messages import WorkerInfo  # noqa: E402
+from contracts.roles import NAMESPACE, ROUTER_NAME  # noqa: E402
 from engine import metrics  # noqa: E402
-from engine.request import RequestTimes  # noqa: E402
+from engine.request import EngineRequest, RequestTimes  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from tandem.demo import ensure_demo_model  # noqa: E402
 from tandem.deployment import DEFAULT_TOPOLOGY  # noqa: E402
@@ -276,9 +277,9 @@ class Paths:
 
     async def direct(self, rid: str, prompt: list[int], sample: Sample) -> None:
         sample.sent = time.time()
-        spec = RequestSpec(
+        spec = EngineRequest(
             rid,
-            prompt,
+            tuple(prompt),
             self.params,
             cache_salt=DIRECT_SALT,
             deadline=None if self.deadline_s is None else sample.sent + self.deadline_s,

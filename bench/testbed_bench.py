@@ -104,9 +104,9 @@ def _receiver(host: testbed.Host, mib: int, requests: Any, replies: Any) -> None
     import torch
 
     from engine.kv_layout import KVLayout, write_layer
-    from kv_transfer import make_transport
     from kv_transfer.exporter import ReleaseReason
     from kv_transfer.format import TransferKey
+    from kv_transfer.transport import make_transport
 
     blocks = mib * 2**20 // BLOCK_BYTES
     dst = torch.zeros(LAYERS, 2, blocks, BLOCK, HEADS, HEAD_DIM, dtype=torch.bfloat16)

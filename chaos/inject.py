@@ -22,9 +22,9 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chaos.plan import Phase, Target
-from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient
+from contracts.actors import RouterClient, WorkerClient
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
-from contracts.roles import Role
+from contracts.roles import NAMESPACE, ROUTER_NAME, Role
 from contracts.routing import WorkerState
 from tandem import testbed
 from tandem.testbed import Host, Testbed

@@ -27,7 +27,8 @@ from chaos.load import Outcome, Planned, Sender, schedule
 from chaos.plan import ChaosPlan, Churn, Fault
 from chaos.probe import metric
 from chaos.reference import Expected, expected, reference_engine
-from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient
+from contracts.actors import RouterClient, WorkerClient
+from contracts.roles import NAMESPACE, ROUTER_NAME
 from tandem.launch import model_dir_of
 from tandem.testbed import Testbed
 from tandem.topology import Topology

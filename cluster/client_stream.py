@@ -1,6 +1,6 @@
 """The client's side of one request, across every attempt that serves it: the tokens and text
 it has received, the sampler state after them, and how the request ended. No Ray: the
-coordinator feeds it each worker's :class:`TokenBatch` and forwards the deltas it returns.
+coordinator feeds it each worker's :class:`TokenDelta` and forwards the deltas it returns.
 
 Text is the workers' engines' (their detokenizers hold back a partial stop string or UTF-8
 sequence; a worker that continues the request primes its detokenizer with the tokens before),
@@ -11,12 +11,11 @@ hand-off or a migration.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import replace
 from enum import StrEnum
 
-from contracts.messages import RequestSpec, TokenBatch
-from engine.request import FinishReason
-from engine.sampler import SamplingSnapshot, TokenLogprobs
+from engine.outputs import SamplingSnapshot, TokenDelta
+from engine.request import EngineRequest, FinishReason
 
 # How an attempt may end that also ends the request for its client.
 CLIENT_ENDS = frozenset(
@@ -75,24 +74,11 @@ class AttemptFailed(RuntimeError):
         self.reason = reason
 
 
-@dataclass
-class ClientDelta:
-    """What the client receives: new token ids and the text now safe to show."""
-
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: FinishReason | None = None  # once finished
-    logprobs: list[TokenLogprobs] | None = None  # one per token id, when the request asked
-    # With the first token, when asked: one per prompt token, None for the first.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-
 class ClientStream:
     """What one client request has received so far (it survives any worker)."""
 
-    def __init__(self, spec: RequestSpec) -> None:
-        self.spec = spec
+    def __init__(self, request: EngineRequest) -> None:
+        self.request = request
         self.tokens: list[int] = []
         self.text = ""
         self.snapshot: SamplingSnapshot | None = None  # sampler state after ``tokens``
@@ -104,13 +90,14 @@ class ClientStream:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    def accept(self, batch: TokenBatch, worker: str) -> ClientDelta | None:
-        """Take ``worker``'s batch: its tokens, text and sampler state. Returns the client's
-        delta (None when the batch brings nothing to send); raises AttemptFailed when the
-        attempt ended without ending the request (an error, a cancellation, a rejection, or
-        no finish reason)."""
+    def accept(self, batch: TokenDelta, worker: str) -> TokenDelta | None:
+        """Take ``worker``'s delta: its tokens, text and sampler state. Returns the client's
+        delta (None when it brings nothing to send): finished only when the request ended for
+        its client, without the worker's sampler state. Raises AttemptFailed when the attempt
+        ended without ending the request (an error, a cancellation, a rejection, or no finish
+        reason)."""
         if self.finished:
-            raise RuntimeError(f"request {self.spec.request_id} already ended")
+            raise RuntimeError(f"request {self.request.key} already ended")
         if batch.token_ids and self.first_token_at is None:
             self.first_token_at = time.time()
             self.queue_time_s = batch.queue_time_s
@@ -132,12 +119,11 @@ class ClientStream:
             self.finish_reason = reason
         if not (batch.token_ids or batch.text or self.finished):
             return None
-        logprobs = batch.logprobs if self.spec.params.logprobs is not None else None
-        return ClientDelta(
-            list(batch.token_ids),
-            batch.text,
+        return replace(
+            batch,
             finished=self.finished,
             finish_reason=self.finish_reason,
-            logprobs=list(logprobs) if logprobs is not None else None,
-            prompt_logprobs=batch.prompt_logprobs,
+            error=None,
+            logprobs=batch.logprobs if self.request.params.logprobs is not None else None,
+            sampler_snapshot=None,
         )

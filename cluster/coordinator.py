@@ -40,11 +40,11 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError
 
-from cluster.client_stream import AttemptFailed, ClientDelta, ClientStream, FailureReason
+from cluster.client_stream import AttemptFailed, ClientStream, FailureReason
 from cluster.retry import Exclusions, GiveUp, RetriesExhausted, RetryBudget, RetryPolicy
 from cluster.token_stream import Hub, Inbox
 from contracts.actors import RouterClient, WorkerClient
-from contracts.messages import Attempt, KVPullFailed, KVSource, RequestSpec, TokenBatch, WorkerInfo
+from contracts.messages import KVPullFailed, KVSource, WorkerInfo
 from contracts.routing import (
     UNAVAILABLE_RETRY_AFTER_S,
     AdmissionRefused,
@@ -53,9 +53,10 @@ from contracts.routing import (
     Refusal,
     RouteRequest,
 )
-from engine.engine import RequestRejected
+from engine.admission import RequestRejected
 from engine.kv_cache_manager import prefix_hashes
-from engine.request import FinishReason, RecordLog, RequestStatus
+from engine.outputs import TokenDelta
+from engine.request import EngineRequest, FinishReason, RecordLog, RequestStatus
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,8 @@ class FailureTally:
 class ClientRecord:
     """Exactly one per client request."""
 
-    request_id: str
+    request_id: str  # the client request's
+    choice: int  # which of its choices
     status: RequestStatus  # FINISHED, TIMED_OUT, FAILED, REJECTED (no KV room) or CANCELLED
     finish_reason: FinishReason | None  # the engine's, when it ended for its client
     num_prompt_tokens: int
@@ -102,16 +104,16 @@ class RequestRun:
     whichever way (close it, e.g. with ``contextlib.aclosing``, to end it early)."""
 
     def __init__(self) -> None:
-        self._deltas: AsyncGenerator[ClientDelta, None] | None = None
+        self._deltas: AsyncGenerator[TokenDelta, None] | None = None
         self.record: ClientRecord | None = None
 
-    def start(self, deltas: AsyncGenerator[ClientDelta, None]) -> None:
+    def start(self, deltas: AsyncGenerator[TokenDelta, None]) -> None:
         self._deltas = deltas
 
-    def __aiter__(self) -> AsyncIterator[ClientDelta]:
+    def __aiter__(self) -> AsyncIterator[TokenDelta]:
         return self
 
-    async def __anext__(self) -> ClientDelta:
+    async def __anext__(self) -> TokenDelta:
         assert self._deltas is not None
         return await self._deltas.__anext__()
 
@@ -188,15 +190,18 @@ class Coordinator:
 
     # -- the client API ------------------------------------------------------------------------
 
-    def generate(self, spec: RequestSpec) -> RequestRun:
-        """Drive ``spec`` through the cluster; iterate the result for the client's deltas."""
-        if spec.params.n != 1:
-            raise ValueError(f"n={spec.params.n}: the cluster serves n=1 per request")
+    def generate(self, request: EngineRequest) -> RequestRun:
+        """Drive ``request`` (one choice of a client request) through the cluster; iterate the
+        result for the client's deltas."""
+        if request.params.n != 1:
+            raise ValueError(f"n={request.params.n}: the cluster serves n=1 per request")
         run = RequestRun()
-        run.start(self._drive(spec, run))
+        run.start(self._drive(request, run))
         return run
 
-    async def _drive(self, spec: RequestSpec, run: RequestRun) -> AsyncGenerator[ClientDelta, None]:
+    async def _drive(
+        self, spec: EngineRequest, run: RequestRun
+    ) -> AsyncGenerator[TokenDelta, None]:
         stream = ClientStream(spec)
         self.budget.admitted()
         attempts = migrations = 0
@@ -207,7 +212,14 @@ class Coordinator:
             while True:
                 attempts += 1
                 migrations += bool(stream.tokens)
-                attempt = Attempt(spec, attempts, list(stream.tokens), stream.snapshot)
+                attempt = replace(
+                    spec,
+                    attempt=attempts,
+                    resume_output=tuple(stream.tokens),
+                    sampler_snapshot=stream.snapshot,
+                    # A sampled stream carries its sampler state, so a migration resumes it.
+                    snapshots=spec.params.temperature > 0,
+                )
                 try:
                     async for delta in self._run_attempt(attempt, stream, exclusions):
                         yield delta
@@ -220,7 +232,7 @@ class Coordinator:
                     status = RequestStatus.TIMED_OUT if timed_out else RequestStatus.REJECTED
                     raise
                 except AttemptFailed as exc:
-                    logger.warning("%s failed: %s", attempt.attempt_id, exc)
+                    logger.warning("%s failed: %s", attempt.key, exc)
                     # No room: refused here, or no replica left but those that refused it.
                     no_room = exc.rejected or (exc.no_replica and refused)
                     refused = refused or exc.rejected
@@ -239,7 +251,7 @@ class Coordinator:
                         elif no_room:
                             status = RequestStatus.REJECTED
                         raise RetriesExhausted(
-                            spec.request_id, why, attempts, str(exc), rejected=no_room
+                            spec.key, why, attempts, str(exc), rejected=no_room
                         ) from exc
                     await asyncio.sleep(self.budget.policy.backoff_s)
         except (asyncio.CancelledError, GeneratorExit):
@@ -248,6 +260,7 @@ class Coordinator:
         finally:
             record = ClientRecord(
                 request_id=spec.request_id,
+                choice=spec.choice,
                 status=status,
                 finish_reason=stream.finish_reason
                 if status is not RequestStatus.CANCELLED
@@ -256,7 +269,7 @@ class Coordinator:
                 num_output_tokens=len(stream.tokens),
                 attempts=attempts,
                 migrations=migrations,
-                arrival=spec.arrival_time,
+                arrival=spec.arrival_time or 0.0,
                 first_token=stream.first_token_at,
                 finished=time.time(),
                 queue_time_s=stream.queue_time_s,
@@ -268,14 +281,14 @@ class Coordinator:
     # -- one attempt ---------------------------------------------------------------------------
 
     async def _run_attempt(
-        self, attempt: Attempt, stream: ClientStream, exclusions: Exclusions
-    ) -> AsyncGenerator[ClientDelta, None]:
-        spec = attempt.request
-        tokens = spec.prompt_token_ids + attempt.resume_output
+        self, attempt: EngineRequest, stream: ClientStream, exclusions: Exclusions
+    ) -> AsyncGenerator[TokenDelta, None]:
+        spec = attempt
+        tokens = spec.prompt_token_ids + spec.resume_output
         # A request scoring its prompt computes all of it (no prefix hit): no cache credit.
         scored = spec.params.prompt_logprobs is not None
         route = RouteRequest(
-            request_id=attempt.attempt_id,
+            request_id=attempt.key,
             prompt_hashes=[] if scored else self._hashes(tokens, spec.cache_salt),
             num_prompt_tokens=len(tokens),
             exclude_workers=frozenset(exclusions.workers),
@@ -287,7 +300,7 @@ class Coordinator:
             deadline=spec.deadline,
         )
         decision = await self._admit(route, spec.deadline)
-        aid = attempt.attempt_id
+        aid = attempt.key
         decode = self.workers[decision.decode]
         hub = self._hub(decision.decode)
         inbox = hub.open(aid)
@@ -304,7 +317,7 @@ class Coordinator:
             source: KVSource = await self._next(prefill, decision.prefill)
             started = decode.start_decode(attempt, source, self.consumer)
             await self._await(started, decision.decode)
-            first: TokenBatch = await self._next(prefill, decision.prefill)
+            first: TokenDelta = await self._next(prefill, decision.prefill)
             if (head := stream.accept(first, decision.prefill)) is not None:
                 yield head
             if stream.finished:
@@ -411,7 +424,7 @@ class Coordinator:
 
     async def _deliver(
         self, inbox: Inbox, worker: str, stream: ClientStream, sender: str | None = None
-    ) -> AsyncGenerator[ClientDelta, None]:
+    ) -> AsyncGenerator[TokenDelta, None]:
         """``worker``'s batches for the attempt as client deltas. ``sender``: the prefill worker
         the first batch waits on (its KV transfer), FAILED -> AttemptFailed blaming it."""
         while not stream.finished:
@@ -454,7 +467,7 @@ class Coordinator:
         except Exception:
             logger.warning("could not tell the router that %s failed", worker, exc_info=True)
 
-    def _hashes(self, tokens: list[int], cache_salt: str) -> list[int]:
+    def _hashes(self, tokens: tuple[int, ...], cache_salt: str) -> list[int]:
         block_size = next(iter(self.infos.values())).block_size
         return prefix_hashes(tokens, block_size, cache_salt, self.model_id)
 

@@ -27,7 +27,8 @@ from collections.abc import Callable
 import ray
 
 from contracts.actors import WorkerClient
-from contracts.messages import Delivery, TokenBatch
+from contracts.messages import Delivery
+from engine.outputs import TokenDelta
 
 logger = logging.getLogger(__name__)
 PAUSE_AT = 8  # undelivered batches of one attempt before its worker is asked to pause it
@@ -38,12 +39,12 @@ class Inbox:
     """One attempt's batches from its worker, in order; ``get`` raises what ended it there."""
 
     def __init__(self, pace: Callable[[bool], None]) -> None:
-        self._items: deque[TokenBatch | BaseException] = deque()
+        self._items: deque[TokenDelta | BaseException] = deque()
         self._ready = asyncio.Event()
         self._pace = pace
         self._paused = False
 
-    def put(self, items: list[TokenBatch | Exception]) -> None:
+    def put(self, items: list[TokenDelta | Exception]) -> None:
         self._items.extend(items)
         self._ready.set()
         if not self._paused and len(self._items) >= PAUSE_AT:
@@ -55,7 +56,7 @@ class Inbox:
         self._items.append(error)
         self._ready.set()
 
-    async def get(self) -> TokenBatch:
+    async def get(self) -> TokenDelta:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()

@@ -38,16 +38,16 @@ import torch
 from ray.exceptions import ActorDiedError
 
 from contracts import liveness
-from contracts.actors import NAMESPACE, RouterClient, WorkerAPI
+from contracts.actors import RouterClient, WorkerAPI
 from contracts.faults import FaultPlan, FaultPoint
-from contracts.messages import Attempt, Delivery, TokenBatch, WorkerInfo, WorkerLoad
-from contracts.roles import Role
-from engine.async_engine import AsyncLLMEngine, BackpressureStats
+from contracts.messages import Delivery, WorkerInfo, WorkerLoad
+from contracts.roles import NAMESPACE, Role
+from engine.async_engine import AsyncLLMEngine
 from engine.config import EngineConfig
-from engine.engine import StreamOutput
 from engine.kv_cache_manager import KVStats
 from engine.kv_events import KVEvent
-from engine.request import TerminalRecord
+from engine.outputs import BackpressureStats, TokenDelta
+from engine.request import EngineRequest, TerminalRecord
 
 logger = logging.getLogger(__name__)
 # An engine step longer than this is a hung engine, not a long prefill: the worker stops its
@@ -56,31 +56,17 @@ ENGINE_SILENCE_S = 60.0
 LIVENESS_RETRY_S = 0.5  # after the liveness connection ends, connect again this soon
 
 
-def batch_of(out: StreamOutput) -> TokenBatch:
-    return TokenBatch(
-        token_ids=list(out.token_ids),
-        text=out.text,
-        finished=out.finished,
-        finish_reason=out.finish_reason,
-        error=out.error,
-        sampler_snapshot=out.sampler_snapshot,
-        logprobs=out.logprobs,
-        queue_time_s=out.queue_time_s,
-        prompt_logprobs=out.prompt_logprobs,
-    )
-
-
 class Outbox:
     """What one coordinator has not received yet: per attempt, its batches merged into one,
     then the exception that ended it there, if any."""
 
     def __init__(self) -> None:
-        self.pending: dict[str, list[TokenBatch | Exception]] = {}
+        self.pending: dict[str, list[TokenDelta | Exception]] = {}
         self.ready = asyncio.Event()
 
-    def put(self, attempt_id: str, item: TokenBatch | Exception) -> None:
+    def put(self, attempt_id: str, item: TokenDelta | Exception) -> None:
         items = self.pending.setdefault(attempt_id, [])
-        if items and isinstance(item, TokenBatch) and isinstance(items[-1], TokenBatch):
+        if items and isinstance(item, TokenDelta) and isinstance(items[-1], TokenDelta):
             items[-1] = items[-1].then(item)
         else:
             items.append(item)
@@ -339,7 +325,7 @@ class EngineWorker:
                     if served.consumer == consumer and served.task is not None:
                         served.task.cancel()
 
-    async def start_generate(self, attempt: Attempt, consumer: str) -> None:
+    async def start_generate(self, attempt: EngineRequest, consumer: str) -> None:
         """Serve ``attempt`` whole here (colocated, or a decode worker's local prefill); its
         tokens go to ``consumer``'s stream."""
         self._start(attempt, consumer, self._generate(attempt))
@@ -364,17 +350,17 @@ class EngineWorker:
         return self._outboxes.setdefault(consumer, Outbox())
 
     def _start(
-        self, attempt: Attempt, consumer: str, batches: AsyncGenerator[TokenBatch, None]
+        self, attempt: EngineRequest, consumer: str, batches: AsyncGenerator[TokenDelta, None]
     ) -> None:
-        aid = attempt.attempt_id
+        aid = attempt.key
         if aid in self._served:
             raise ValueError(f"attempt {aid} is already running here")
-        self.faults.check(FaultPoint.ACCEPTED, attempt.number, 1)
+        self.faults.check(FaultPoint.ACCEPTED, attempt.attempt, 1)
         served = self._served[aid] = _Served(consumer)
         served.task = asyncio.get_running_loop().create_task(self._serve(aid, served, batches))
 
     async def _serve(
-        self, attempt_id: str, served: _Served, batches: AsyncGenerator[TokenBatch, None]
+        self, attempt_id: str, served: _Served, batches: AsyncGenerator[TokenDelta, None]
     ) -> None:
         """Move one attempt's batches to its consumer's outbox until it ends; an exception
         that ends it goes there too (the consumer raises it for that attempt)."""
@@ -392,33 +378,22 @@ class EngineWorker:
 
     # -- serving a whole request ---------------------------------------------------------------
 
-    async def _generate(self, attempt: Attempt) -> AsyncGenerator[TokenBatch, None]:
+    async def _generate(self, attempt: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         """Prefill and decode here (colocated, or a decode worker's local prefill)."""
-        spec = attempt.request
         self._touch()
-        stream = self.engine.generate(
-            spec.prompt_token_ids,
-            spec.params,
-            request_id=attempt.attempt_id,
-            deadline=spec.deadline,
-            cache_salt=spec.cache_salt,
-            resume_output=attempt.resume_output,
-            sampler_snapshot=attempt.sampler_snapshot,
-            snapshots=spec.params.temperature > 0,
-        )
-        async for batch in self._relay(stream, attempt):
-            yield batch
+        async for delta in self._relay(self.engine.generate(attempt), attempt):
+            yield delta
 
     async def _relay(
-        self, stream: AsyncGenerator[StreamOutput, None], attempt: Attempt
-    ) -> AsyncGenerator[TokenBatch, None]:
-        """Engine outputs as token batches, with the decode-side fault point."""
+        self, stream: AsyncGenerator[TokenDelta, None], attempt: EngineRequest
+    ) -> AsyncGenerator[TokenDelta, None]:
+        """The engine's deltas, with the decode-side fault point."""
         emitted = 0
         try:
-            async for out in stream:
-                emitted += len(out.token_ids)
-                self.faults.check(FaultPoint.DECODE_TOKENS, attempt.number, emitted)
-                yield batch_of(out)
+            async for delta in stream:
+                emitted += len(delta.token_ids)
+                self.faults.check(FaultPoint.DECODE_TOKENS, attempt.attempt, emitted)
+                yield delta
         finally:
             await stream.aclose()
             self._touch()

@@ -18,23 +18,13 @@ from typing import Any, Protocol
 from ray import ObjectRef, ObjectRefGenerator
 
 from contracts.faults import FaultPlan
-from contracts.messages import (
-    Attempt,
-    Delivery,
-    KVSource,
-    TokenBatch,
-    TransferRecord,
-    WorkerInfo,
-    WorkerLoad,
-)
+from contracts.messages import Delivery, KVSource, TransferRecord, WorkerInfo, WorkerLoad
 from contracts.routing import Decision, RouteRequest, WorkerState
-from engine.async_engine import BackpressureStats
 from engine.kv_cache_manager import KVStats
 from engine.kv_events import KVEvent
-from engine.request import TerminalRecord
+from engine.outputs import BackpressureStats, TokenDelta
+from engine.request import EngineRequest, TerminalRecord
 
-NAMESPACE = "tandem"  # the Ray namespace of every Tandem actor
-ROUTER_NAME = "tandem-router"
 # Messages a worker's token stream may run ahead of its coordinator before it blocks (Ray
 # generator backpressure). The coordinator reads its streams without pause; a slow client is
 # paced per attempt (``pace``).
@@ -47,7 +37,7 @@ class WorkerAPI(Protocol):
     async def ready(self) -> WorkerInfo: ...
     async def set_faults(self, plan: FaultPlan) -> None: ...
     def subscribe(self, consumer: str) -> AsyncGenerator[list[Delivery], None]: ...
-    async def start_generate(self, attempt: Attempt, consumer: str) -> None: ...
+    async def start_generate(self, attempt: EngineRequest, consumer: str) -> None: ...
     async def stop(self, attempt_id: str) -> None: ...
     async def pace(self, attempt_id: str, paused: bool) -> None: ...
     async def kv_stats(self) -> KVStats: ...
@@ -62,14 +52,16 @@ class WorkerAPI(Protocol):
 class PrefillAPI(WorkerAPI, Protocol):
     """A prefill worker (prefill_worker.worker.PrefillWorker)."""
 
-    def prefill(self, attempt: Attempt) -> AsyncGenerator[KVSource | TokenBatch, None]: ...
+    def prefill(self, attempt: EngineRequest) -> AsyncGenerator[KVSource | TokenDelta, None]: ...
 
 
 class DecodeAPI(WorkerAPI, Protocol):
     """A decode worker (decode_worker.worker.DecodeWorker)."""
 
-    async def start_decode(self, attempt: Attempt, source: KVSource, consumer: str) -> None: ...
-    async def handoff(self, attempt_id: str, first: TokenBatch) -> None: ...
+    async def start_decode(
+        self, attempt: EngineRequest, source: KVSource, consumer: str
+    ) -> None: ...
+    async def handoff(self, attempt_id: str, first: TokenDelta) -> None: ...
     async def transfer_records(self, after: int = 0) -> list[TransferRecord]: ...
 
 
@@ -112,7 +104,7 @@ class WorkerClient:
         )
         return options.remote(consumer)  # type: ignore[no-any-return]
 
-    def start_generate(self, attempt: Attempt, consumer: str) -> ObjectRef[None]:
+    def start_generate(self, attempt: EngineRequest, consumer: str) -> ObjectRef[None]:
         return self.handle.start_generate.remote(attempt, consumer)
 
     def stop(self, attempt_id: str) -> ObjectRef[None]:
@@ -121,13 +113,15 @@ class WorkerClient:
     def pace(self, attempt_id: str, paused: bool) -> ObjectRef[None]:
         return self.handle.pace.remote(attempt_id, paused)
 
-    def prefill(self, attempt: Attempt) -> ObjectRefGenerator:
+    def prefill(self, attempt: EngineRequest) -> ObjectRefGenerator:
         return self.handle.prefill.remote(attempt)  # two items, then it holds the lease
 
-    def start_decode(self, attempt: Attempt, source: KVSource, consumer: str) -> ObjectRef[None]:
+    def start_decode(
+        self, attempt: EngineRequest, source: KVSource, consumer: str
+    ) -> ObjectRef[None]:
         return self.handle.start_decode.remote(attempt, source, consumer)
 
-    def handoff(self, attempt_id: str, first: TokenBatch) -> ObjectRef[None]:
+    def handoff(self, attempt_id: str, first: TokenDelta) -> ObjectRef[None]:
         return self.handle.handoff.remote(attempt_id, first)
 
     def kv_stats(self) -> ObjectRef[KVStats]:

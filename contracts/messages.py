@@ -1,52 +1,16 @@
-"""What the coordinator, the router and the workers send each other (pickled by Ray).
-
-One client request is served by one or more *attempts*: each has a fresh id
-``<request id>@<n>``, so a worker never confuses a retry with the attempt it replaces, and a
-late message of a dead attempt matches nothing.
+r"""What the coordinator, the router and the workers send each other (pickled by Ray), besides
+the engine's own types they carry as they are: an attempt is an ``EngineRequest`` (its
+``attempt`` field numbers the tries, so its key is fresh for each) and its tokens come back as
+``TokenDelta``\s.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from contracts.roles import Role
-from engine.request import FinishReason
-from engine.sampler import SamplingSnapshot, TokenLogprobs
-from engine.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class RequestSpec:
-    """A client request as the cluster sees it (already tokenised)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    cache_salt: str = ""  # the tenant: prefix-cache hits only within one salt (P10)
-    deadline: float | None = None  # absolute time.time() covering every attempt
-    arrival_time: float = 0.0
-    priority: int = 0  # in the cluster's admission queue: lower goes first (as vLLM's)
-
-
-@dataclass(frozen=True)
-class Attempt:
-    """One try at a request. ``resume_output``: tokens the client already has (a migration
-    recomputes them with the prompt); ``sampler_snapshot``: the sampler state after them."""
-
-    request: RequestSpec
-    number: int
-    resume_output: list[int] = field(default_factory=list)
-    sampler_snapshot: SamplingSnapshot | None = None
-
-    @property
-    def attempt_id(self) -> str:
-        return f"{self.request.request_id}@{self.number}"
-
-    @property
-    def num_kv_tokens(self) -> int:
-        """Positions whose KV a prefill computes: the prompt plus the resumed output."""
-        return len(self.request.prompt_token_ids) + len(self.resume_output)
+from engine.outputs import TokenDelta
 
 
 @dataclass(frozen=True)
@@ -58,47 +22,10 @@ class KVSource:
     address: str  # host:port of the prefill worker's KV transfer server
 
 
-@dataclass(frozen=True)
-class TokenBatch:
-    """Tokens one worker produced for one attempt since its last batch, and their text as the
-    worker's engine detokenised it (the only detokenisation a request gets: an engine that
-    continues a request primes its detokenizer with the tokens before, so text continues
-    exactly across a hand-off or a migration)."""
-
-    token_ids: list[int]
-    text: str = ""
-    finished: bool = False
-    # Once finished: the engine's reason (HANDED_OFF from a prefill worker that leased the KV)
-    finish_reason: FinishReason | None = None
-    sampler_snapshot: SamplingSnapshot | None = None  # after the last token, when tracked
-    error: str | None = None  # with FinishReason.ERROR: what failed there (for logs)
-    logprobs: list[TokenLogprobs] | None = None  # one per token, when the request asked
-    queue_time_s: float | None = None  # in the batch with the attempt's first token
-    # In the batch with the attempt's first token, when asked (engine StreamOutput's).
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-    def then(self, newer: TokenBatch) -> TokenBatch:
-        """This batch and the ``newer`` one after it, as one."""
-        both_none = self.logprobs is None and newer.logprobs is None
-        # The sampler state after the newer tokens; unknown if they came without one.
-        known = newer.sampler_snapshot is not None or newer.token_ids
-        return TokenBatch(
-            token_ids=self.token_ids + newer.token_ids,
-            text=self.text + newer.text,
-            finished=newer.finished,
-            finish_reason=newer.finish_reason,
-            sampler_snapshot=newer.sampler_snapshot if known else self.sampler_snapshot,
-            error=newer.error,
-            logprobs=None if both_none else (self.logprobs or []) + (newer.logprobs or []),
-            queue_time_s=self.queue_time_s if self.queue_time_s is not None else newer.queue_time_s,
-            prompt_logprobs=self.prompt_logprobs or newer.prompt_logprobs,
-        )
-
-
 # What a worker's token stream to one coordinator carries (``WorkerAPI.subscribe``): for each
-# attempt with news since the last message, its tokens (merged into one batch) and, if the
-# attempt failed there, the exception last.
-Delivery = tuple[str, list["TokenBatch | Exception"]]
+# attempt (by its key) with news since the last message, its tokens (merged into one delta)
+# and, if the attempt failed there, the exception last.
+Delivery = tuple[str, list[TokenDelta | Exception]]
 
 
 @dataclass(frozen=True)

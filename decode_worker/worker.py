@@ -28,12 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 from cluster.worker import EngineWorker
 from contracts.actors import DecodeAPI
-from contracts.messages import Attempt, KVPullFailed, KVSource, TokenBatch, TransferRecord
-from contracts.roles import Role
-from kv_transfer import Transport, make_transport
+from contracts.messages import KVPullFailed, KVSource, TransferRecord
+from contracts.roles import Role, Transport
+from engine.outputs import TokenDelta
+from engine.request import EngineRequest
 from kv_transfer.errors import KVPeerUnavailable, KVTransferAborted, KVTransferError
 from kv_transfer.exporter import ReleaseReason
 from kv_transfer.format import LayerChunk, TransferKey
+from kv_transfer.transport import make_transport
 
 TRANSFER_RECORDS_KEPT = 10_000
 
@@ -48,46 +50,38 @@ class DecodeWorker(EngineWorker):
         self.transport = make_transport(
             self.transport_kind, puller_id=self.name, host=self.host_address()
         )
-        self._handoffs: dict[str, asyncio.Future[TokenBatch]] = {}
+        self._handoffs: dict[str, asyncio.Future[TokenDelta]] = {}
         # The latest pulls (bounded: a long-running worker keeps only these).
         self.transfers: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS_KEPT)
         self._transfer_seq = 0
 
-    def _handoff(self, attempt_id: str) -> asyncio.Future[TokenBatch]:
+    def _handoff(self, attempt_id: str) -> asyncio.Future[TokenDelta]:
         if attempt_id not in self._handoffs:
             self._handoffs[attempt_id] = asyncio.get_running_loop().create_future()
         return self._handoffs[attempt_id]
 
-    async def handoff(self, attempt_id: str, first: TokenBatch) -> None:
+    async def handoff(self, attempt_id: str, first: TokenDelta) -> None:
         """The prefill's first token and sampler state for ``attempt_id``."""
         future = self._handoff(attempt_id)
         if not future.done():
             future.set_result(first)
 
-    async def start_decode(self, attempt: Attempt, source: KVSource, consumer: str) -> None:
+    async def start_decode(self, attempt: EngineRequest, source: KVSource, consumer: str) -> None:
         """Continue ``attempt`` here with its KV from ``source``; its tokens go to
         ``consumer``'s stream (:meth:`subscribe`)."""
         self._start(attempt, consumer, self._decode(attempt, source))
 
-    async def _decode(self, attempt: Attempt, source: KVSource) -> AsyncGenerator[TokenBatch, None]:
+    async def _decode(
+        self, attempt: EngineRequest, source: KVSource
+    ) -> AsyncGenerator[TokenDelta, None]:
         """The attempt's tokens 2.. once its KV is pulled and its first token handed off."""
-        spec = attempt.request
-        aid = attempt.attempt_id
+        aid = attempt.key
         handoff = self._handoff(aid)
-        key = TransferKey(spec.request_id, aid)
         self._touch()
         try:
-            blocks, stream = await self.engine.import_request(
-                spec.prompt_token_ids,
-                spec.params,
-                request_id=aid,
-                resume_output=attempt.resume_output,
-                deadline=spec.deadline,
-                cache_salt=spec.cache_salt,
-                snapshots=spec.params.temperature > 0,
-            )
+            blocks, stream = await self.engine.import_request(attempt)
             try:
-                await self._pull(source, key, blocks, spec.deadline)
+                await self._pull(source, TransferKey.of(attempt), blocks, attempt.deadline)
                 first = await handoff
                 await self.engine.finish_import(
                     aid, next_token=first.token_ids[-1], sampler_snapshot=first.sampler_snapshot
@@ -97,8 +91,8 @@ class DecodeWorker(EngineWorker):
                 await asyncio.shield(self.engine.finish_import(aid, error=reason))
                 await stream.aclose()
                 raise
-            async for batch in self._relay(stream, attempt):
-                yield batch
+            async for delta in self._relay(stream, attempt):
+                yield delta
         finally:
             self._handoffs.pop(aid, None)
             self._touch()

@@ -27,7 +27,6 @@ import dataclasses
 import logging
 import threading
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
@@ -40,12 +39,12 @@ import torch
 from engine.admission import NoRoom
 from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, RequestRejected, StreamOutput
+from engine.engine import LLMEngine, RequestRejected
 from engine.kv_cache_manager import KVStats, prefix_hashes
 from engine.kv_events import KVEvent, KVEventKind
 from engine.kv_layout import KVLayout, extract_layer, write_layer
-from engine.request import RecordLog, Request, TerminalRecord
-from engine.sampler import SamplingSnapshot
+from engine.outputs import BackpressureStats, SamplingSnapshot, TokenDelta
+from engine.request import EngineRequest, RecordLog, Request, TerminalRecord, fork_id
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -53,15 +52,6 @@ logger = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped (a step raised, or shutdown): no request can progress."""
-
-
-@dataclass(frozen=True)
-class BackpressureStats:
-    """Counters of the backpressure loop, for tests and metrics."""
-
-    pauses: int  # times a request was put into BACKPRESSURED
-    resumes: int  # times one was resumed after its consumer caught up
-    max_buffered: int  # deepest any request buffer got (never above max_buffered_outputs)
 
 
 @dataclass(frozen=True)
@@ -82,28 +72,12 @@ class EngineLoad:
 LayerListener = Callable[[int, list[int]], None]
 
 
-def _merge(older: list[StreamOutput], newer: list[StreamOutput]) -> list[StreamOutput]:
-    """Fold one tick's deltas into the entry before it, sequence by sequence."""
-    merged = {o.request_id: o for o in older}
+def _merge(older: list[TokenDelta], newer: list[TokenDelta]) -> list[TokenDelta]:
+    """Fold one tick's deltas into the entry before it, sample by sample."""
+    merged = {o.index: o for o in older}
     for o in newer:
-        prev = merged.get(o.request_id)
-        if prev is not None:
-            both_none = prev.logprobs is None and o.logprobs is None
-            o = StreamOutput(
-                request_id=o.request_id,
-                index=o.index,
-                token_ids=prev.token_ids + o.token_ids,
-                text=prev.text + o.text,
-                finished=o.finished,
-                finish_reason=o.finish_reason,
-                error=o.error,
-                logprobs=None if both_none else (prev.logprobs or []) + (o.logprobs or []),
-                prompt_logprobs=prev.prompt_logprobs or o.prompt_logprobs,
-                sampler_snapshot=o.sampler_snapshot or prev.sampler_snapshot,
-                queue_time_s=prev.queue_time_s if o.queue_time_s is None else o.queue_time_s,
-                seed=o.seed,
-            )
-        merged[o.request_id] = o
+        prev = merged.get(o.index)
+        merged[o.index] = o if prev is None else prev.then(o)
     return list(merged.values())
 
 
@@ -114,13 +88,13 @@ class _Stream:
         self, request_id: str, n: int, loop: asyncio.AbstractEventLoop, capacity: int
     ) -> None:
         self.request_id = request_id
-        # The scheduler's ids of the n sequences: the parent is sample 0, children "<id>#i".
-        self.seq_ids = [request_id] + [f"{request_id}#{i}" for i in range(1, n)]
+        # The scheduler's ids of the n sequences: the parent is sample 0.
+        self.seq_ids = [request_id] + [fork_id(request_id, i) for i in range(1, n)]
         self.loop = loop
         self.capacity = capacity
         self.done = False  # the consumer saw the end or an error (event loop only)
         self._lock = threading.Lock()
-        self._entries: deque[list[StreamOutput]] = deque()
+        self._entries: deque[list[TokenDelta]] = deque()
         self._closed = False
         self._error: BaseException | None = None
         self._paused = False  # changed by the engine thread only, under the lock
@@ -129,7 +103,7 @@ class _Stream:
 
     # -- engine thread --
 
-    def push(self, entry: list[StreamOutput]) -> tuple[int, bool]:
+    def push(self, entry: list[TokenDelta]) -> tuple[int, bool]:
         """Buffer one tick's deltas; the caller wakes the consumer (:func:`_wake_all`).
         Returns (depth, whether this push filled it: pause now)."""
         with self._lock:
@@ -164,7 +138,7 @@ class _Stream:
 
     # -- event loop --
 
-    async def get(self) -> tuple[list[StreamOutput] | None, bool]:
+    async def get(self) -> tuple[list[TokenDelta] | None, bool]:
         """The next entry (None at the end) and whether to ask the engine to resume."""
         while True:
             self._wakeup.clear()  # before looking: a push after the look sets it again
@@ -300,75 +274,38 @@ class AsyncLLMEngine:
 
     # -- the protocol --------------------------------------------------------------------------
 
-    async def generate(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        *,
-        request_id: str | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        cache_salt: str = "",
-        **disaggregation: Any,
-    ) -> AsyncGenerator[StreamOutput, None]:
+    async def generate(self, request: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         """Stream a request's deltas as the engine produces them (all n samples, each ending
         with ``finished=True``). Leaving early (aclose, break, cancellation) aborts it.
-        ``disaggregation``: ``prefill_only``, ``resume_output``, ``sampler_snapshot``,
-        ``snapshots`` of :meth:`LLMEngine.add_request`.
 
         Raises: RequestRejected / ValueError / InvalidSamplingParams from the first
         ``__anext__`` when admission refuses it; EngineDeadError once the engine is dead.
         """
-        rid = self._new_id(request_id)
-
-        def admit(engine: LLMEngine) -> None:
-            engine.add_request(
-                prompt,
-                params,
-                request_id=rid,
-                priority=priority,
-                deadline=deadline,
-                cache_salt=cache_salt,
-                **disaggregation,
-            )
-
-        stream = _Stream(rid, params.n, asyncio.get_running_loop(), self.max_buffered_outputs)
-        self._submit(_Add(stream, admit))
+        rid = request.key
+        stream = _Stream(
+            rid, request.params.n, asyncio.get_running_loop(), self.max_buffered_outputs
+        )
+        self._submit(_Add(stream, lambda engine: engine.add_request(request)))
         async for out in self._consume(stream):
             yield out
 
     async def import_request(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        resume_output: Sequence[int] = (),
-        deadline: float | None = None,
-        cache_salt: str = "",
-        snapshots: bool = False,
-    ) -> tuple[list[int], AsyncGenerator[StreamOutput, None]]:
+        self, request: EngineRequest
+    ) -> tuple[list[int], AsyncGenerator[TokenDelta, None]]:
         """Disaggregated decode side (:meth:`LLMEngine.add_imported`): returns the block ids
         to write the imported KV into and the request's stream, which starts once
         :meth:`finish_import` runs. Without room right now (NoRoom) it waits, admitted in
-        arrival order after the ticks that free a slot and its blocks, until ``deadline``
+        arrival order after the ticks that free a slot and its blocks, until its deadline
         (then NoRoom is raised). Raises RequestRejected (a hard limit) / ValueError here."""
-        rid = self._new_id(request_id)
+        rid = request.key
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[list[int]] = loop.create_future()
+        stream = _Stream(rid, request.params.n, loop, self.max_buffered_outputs)
 
         def admit(engine: LLMEngine) -> list[int]:
-            return engine.add_imported(
-                prompt_token_ids,
-                params,
-                request_id=rid,
-                resume_output=resume_output,
-                deadline=deadline,
-                cache_salt=cache_salt,
-                snapshots=snapshots,
-            )
+            return engine.add_imported(request)
 
-        stream = _Stream(rid, params.n, loop, self.max_buffered_outputs)
+        deadline = request.deadline
         self._submit(_Add(stream, admit, admitted, wait_for_room=True, deadline=deadline))
         try:
             blocks = await admitted
@@ -377,6 +314,12 @@ class AsyncLLMEngine:
                 self._submit(_Abort(rid))
             raise
         return blocks, self._consume(stream)
+
+    def make_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, **fields: Any
+    ) -> EngineRequest:
+        """:meth:`LLMEngine.make_request` (the tokenizer is read-only: any thread)."""
+        return self.engine.make_request(prompt, params, **fields)
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Run ``fn(engine)`` on the engine thread between two ticks; returns its result or
@@ -496,13 +439,7 @@ class AsyncLLMEngine:
         await self.call(lambda e: e.kv.check_idle())
         return self.kv_stats()
 
-    @staticmethod
-    def _new_id(request_id: str | None) -> str:
-        if request_id is not None and "#" in request_id:
-            raise ValueError(f"request id {request_id!r}: '#' is reserved for n > 1 samples")
-        return request_id if request_id is not None else uuid.uuid4().hex
-
-    async def _consume(self, stream: _Stream) -> AsyncGenerator[StreamOutput, None]:
+    async def _consume(self, stream: _Stream) -> AsyncGenerator[TokenDelta, None]:
         rid = stream.request_id
         try:
             while True:
@@ -719,11 +656,11 @@ class AsyncLLMEngine:
             self._parked.remove(command)
             _refuse(command, error)
 
-    def _dispatch(self, outputs: list[StreamOutput]) -> None:
+    def _dispatch(self, outputs: list[TokenDelta]) -> None:
         """Hand each request its tick's deltas; pause full buffers; close ended streams."""
-        entries: dict[str, list[StreamOutput]] = {}
+        entries: dict[str, list[TokenDelta]] = {}
         for out in outputs:
-            entries.setdefault(out.request_id.partition("#")[0], []).append(out)
+            entries.setdefault(out.request_id, []).append(out)
         woken = []
         for rid, entry in entries.items():
             stream = self._streams[rid]

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+if TYPE_CHECKING:  # imported where used: the router and the ingress read configs without torch
+    import torch
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+# The built-in demo checkpoints' sizes (engine/demo_model.py builds them; topologies name one).
+DemoSize = Literal["test", "tiny", "small"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,8 @@ class ModelConfig:
     def kv_bytes_per_token(self) -> int:
         """Ideal KV payload per token (docs/design.md#kv-paging): 2 * layers * kv_heads * head_dim
         * bytes."""
+        import torch
+
         elem = torch.tensor([], dtype=self.dtype).element_size()
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
@@ -113,6 +119,8 @@ class EngineConfig(BaseModel):
     )
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-Size = Literal["test", "tiny", "small"]
+from engine.config import DemoSize as Size
+
 Architecture = Literal["llama", "qwen2", "mistral"]
 
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"

@@ -23,35 +23,12 @@ from engine.detokenizer import TextStream
 from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
-from engine.request import FinishReason, Request, RequestStatus, TerminalRecord
-from engine.sampler import Sampler, SamplingSnapshot, SamplingState, TokenLogprobs, token_logprobs
+from engine.outputs import SamplingSnapshot, TokenDelta, TokenLogprobs
+from engine.request import EngineRequest, FinishReason, Request, RequestStatus, TerminalRecord
+from engine.sampler import Sampler, SamplingState, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.tokenizer import Tokenizer
-
-
-@dataclass
-class StreamOutput:
-    """What one step produced for one sequence: new tokens, the text now safe to emit."""
-
-    request_id: str
-    index: int  # which of the n samples
-    token_ids: list[int]
-    text: str
-    finished: bool = False
-    finish_reason: FinishReason | None = None  # once finished
-    error: str | None = None  # with FinishReason.ERROR: what failed (for logs)
-    logprobs: list[TokenLogprobs] | None = None
-    # With the first token, when asked: one per prompt token (None for the first, which nothing
-    # predicts). Not on a resumed request's outputs: its client has them.
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-    # The sampler state after token_ids, for requests that asked (a migration resumes from it)
-    # and on the final output of a prefill-only request (the decode worker continues from it).
-    sampler_snapshot: SamplingSnapshot | None = None
-    # With the first token only: seconds from entering the queue to first being scheduled.
-    queue_time_s: float | None = None
-    # On the final output: the seed the sequence drew from (asked for, or drawn at arrival).
-    seed: int | None = None
 
 
 @dataclass
@@ -70,7 +47,7 @@ class CompletionOutput:
     timing: dict[str, Any] = field(default_factory=dict)
     # Prefill-only requests: the sampler state after the last token, for the decode worker.
     sampler_snapshot: SamplingSnapshot | None = None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None  # as in StreamOutput
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # as in TokenDelta
 
 
 @dataclass
@@ -138,73 +115,54 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def add_request(
+    def make_request(
         self,
         prompt: str | Sequence[int],
         params: SamplingParams,
         *,
         request_id: str | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        cache_salt: str = "",
-        prefill_only: bool = False,
-        resume_output: Sequence[int] = (),
-        sampler_snapshot: SamplingSnapshot | None = None,
-        snapshots: bool = False,
-    ) -> str:
-        """Tokenise, validate and admit one request. Raises RequestRejected or ValueError.
+        **fields: Any,
+    ) -> EngineRequest:
+        """An :class:`EngineRequest` for ``prompt`` (text is tokenised here; no special tokens
+        added), under ``request_id`` (default: a fresh ``req-N``); ``fields``: the other
+        EngineRequest fields. For the offline API, benchmarks and tests."""
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if "resume_output" in fields:
+            fields["resume_output"] = tuple(fields["resume_output"])
+        return EngineRequest(rid, tuple(token_ids), params, **fields)
 
-        Disaggregation: ``prefill_only`` ends the request HANDED_OFF after its first token with
-        its KV leased (:meth:`release_kv`). A migrated request passes the tokens already
-        streamed as ``resume_output`` (recomputed with the prompt, counted as output) and the
-        sampler state after them as ``sampler_snapshot``, so it continues exactly;
-        ``snapshots`` attaches the sampler state to each of its outputs.
-        """
-        if prefill_only and params.n > 1:
+    def add_request(self, request: EngineRequest) -> str:
+        """Validate and admit one request; returns its key. Raises RequestRejected or
+        ValueError. See :class:`EngineRequest` for the hand-off fields."""
+        if request.prefill_only and request.params.n > 1:
             raise ValueError("prefill_only requests take n=1 (the router fans out n > 1)")
-        req = self._new_request(
-            prompt, params, request_id, arrival_time, priority, deadline, cache_salt
-        )
-        req.prefill_only = prefill_only
-        req.output_token_ids = self._checked_ids(resume_output, "resumed")
+        req = self._new_request(request)
+        req.prefill_only = request.prefill_only
         # Before admission: a snapshot that does not fit the output raises with nothing changed.
-        sampling = None if sampler_snapshot is None else self._restored(req, sampler_snapshot)
+        snapshot = request.sampler_snapshot
+        sampling = None if snapshot is None else self._restored(req, snapshot)
         result = self.scheduler.add_request(req)
         if result.status == RequestStatus.REJECTED:
             raise RequestRejected(f"request {req.request_id}: {result.reason}")
-        self._track(req, index=0, sampling=sampling, snapshots=snapshots)
+        self._track(req, index=0, sampling=sampling, snapshots=request.snapshots)
         return req.request_id
 
-    def add_imported(
-        self,
-        prompt_token_ids: Sequence[int],
-        params: SamplingParams,
-        *,
-        request_id: str,
-        resume_output: Sequence[int] = (),
-        arrival_time: float | None = None,
-        priority: int = 0,
-        deadline: float | None = None,
-        cache_salt: str = "",
-        snapshots: bool = False,
-    ) -> list[int]:
+    def add_imported(self, request: EngineRequest) -> list[int]:
         """Disaggregated decode side: admit a request whose KV for every known token (the
         prompt, plus ``resume_output`` when migrated) is being computed by a prefill worker.
         Returns the block ids to write that KV into, in position order; the request waits in
-        WAITING_FOR_KV until :meth:`finish_import` brings the token the prefill sampled.
+        WAITING_FOR_KV until :meth:`finish_import` brings the token the prefill sampled and
+        the sampler state after it (``request.sampler_snapshot`` is not read here).
         Raises RequestRejected past a hard limit, NoRoom (nothing changed) when no slot,
         reservation or blocks are free right now."""
-        if params.n > 1:
+        if request.params.n > 1:
             raise ValueError("imported requests take n=1")
-        req = self._new_request(
-            prompt_token_ids, params, request_id, arrival_time, priority, deadline, cache_salt
-        )
-        req.output_token_ids = self._checked_ids(resume_output, "resumed")
+        req = self._new_request(request)
         result = self.scheduler.add_imported(req, req.num_tokens)
         if result.status == RequestStatus.REJECTED:
             raise RequestRejected(f"request {req.request_id}: {result.reason}")
-        self._track(req, index=0, snapshots=snapshots)
+        self._track(req, index=0, snapshots=request.snapshots)
         return self.kv.block_table(req.request_id)
 
     def finish_import(
@@ -252,34 +210,31 @@ class LLMEngine:
             raise ValueError(f"{what} token id outside the vocabulary (size {vocab})")
         return list(token_ids)
 
-    def _new_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams,
-        request_id: str | None,
-        arrival_time: float | None,
-        priority: int,
-        deadline: float | None,
-        cache_salt: str,
-    ) -> Request:
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
+    def _new_request(self, request: EngineRequest) -> Request:
+        """The engine's Request for ``request``, its token ids checked against the vocabulary
+        and its prompt and resumed output in place. Raises ValueError."""
+        if not request.prompt_token_ids:
             raise ValueError("empty prompt")
+        params = request.params
         params.validate_vocab(self.model_config.vocab_size)
-        token_ids = self._checked_ids(token_ids, "prompt")
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        rid = request.key
+        if "#" in rid:
+            raise ValueError(f"request id {rid!r}: '#' is reserved for n > 1 samples")
         if rid in self._seqs or rid in self.kv.leased_ids:
             raise ValueError(f"duplicate request id {rid!r}")
-        return Request(
+        arrival = request.arrival_time
+        req = Request(
             request_id=rid,
-            prompt_token_ids=token_ids,
+            prompt_token_ids=self._checked_ids(request.prompt_token_ids, "prompt"),
             sampling_params=params,
-            arrival_time=arrival_time if arrival_time is not None else time.time(),
-            priority=priority,
-            deadline=deadline,
-            cache_salt=cache_salt,
+            arrival_time=arrival if arrival is not None else time.time(),
+            priority=request.priority,
+            deadline=request.deadline,
+            cache_salt=request.cache_salt,
             eos_token_ids=self.eos_token_ids,
         )
+        req.output_token_ids = self._checked_ids(request.resume_output, "resumed")
+        return req
 
     @staticmethod
     def _restored(req: Request, snapshot: SamplingSnapshot) -> SamplingState:
@@ -328,7 +283,7 @@ class LLMEngine:
         if request_id in self._seqs:
             self.scheduler.abort(request_id)
 
-    def fail_all(self, error: str) -> list[StreamOutput]:
+    def fail_all(self, error: str) -> list[TokenDelta]:
         """Worker failure or shutdown (docs/design.md#cleanup): every live sequence ends FAILED,
         through the one reclaim routine, without running the model again."""
         for rid in list(self._seqs):
@@ -340,10 +295,10 @@ class LLMEngine:
 
     # -- the tick -----------------------------------------------------------------------------
 
-    def step(self) -> list[StreamOutput]:
+    def step(self) -> list[TokenDelta]:
         """Schedule, run the forward, sample, detokenise; returns this step's deltas."""
         out = self.scheduler.schedule()
-        outputs: list[StreamOutput] = []
+        outputs: list[TokenDelta] = []
         if out.chunks:
             logits = self._take_prompt_logprobs(out.chunks, self.runner.execute(out))
             sampled = self._sample(out.sampled_ids, logits)
@@ -413,7 +368,7 @@ class LLMEngine:
                 self._seqs[rid].logprobs.append(lp)
         return dict(zip(ids, result.token_ids, strict=True))
 
-    def _emit(self, req: Request) -> StreamOutput:
+    def _emit(self, req: Request) -> TokenDelta:
         seq = self._seqs[req.request_id]
         token = req.output_token_ids[-1]
         now = time.time()
@@ -427,11 +382,11 @@ class LLMEngine:
         self._record_emits(seq, seq.detok.num_emitted, now)
         lp = seq.logprobs[-1:] if req.sampling_params.logprobs is not None else None
         snap = seq.sampling.snapshot() if seq.snapshots else None
-        return StreamOutput(
-            req.request_id,
-            seq.index,
+        return TokenDelta(
+            req.parent_id or req.request_id,
             [token],
             delta.text,
+            index=seq.index,
             logprobs=lp,
             prompt_logprobs=seq.prompt_logprobs if len(req.output_token_ids) == 1 else None,
             sampler_snapshot=snap,
@@ -445,7 +400,7 @@ class LLMEngine:
             req.times.emits.append(now)
             req.num_emitted += 1
 
-    def _finish(self, rid: str) -> StreamOutput:
+    def _finish(self, rid: str) -> TokenDelta:
         seq = self._seqs.pop(rid)
         req = seq.request
         now = time.time()
@@ -463,7 +418,7 @@ class LLMEngine:
         reason = req.finish_reason or FinishReason.ERROR
         self._finished.append(
             CompletionOutput(
-                request_id=rid,
+                request_id=req.parent_id or rid,
                 index=seq.index,
                 prompt_token_ids=req.prompt_token_ids,
                 token_ids=list(req.output_token_ids[: seq.detok.num_committed]),
@@ -483,11 +438,11 @@ class LLMEngine:
             )
         )
         snap = seq.sampling.snapshot() if req.prefill_only or seq.snapshots else None
-        return StreamOutput(
-            rid,
-            seq.index,
+        return TokenDelta(
+            req.parent_id or rid,
             [],
             tail,
+            index=seq.index,
             finished=True,
             finish_reason=reason,
             error=req.error,
@@ -509,18 +464,20 @@ class LLMEngine:
     ) -> list[list[CompletionOutput]]:
         """Batch-generate; returns, per prompt, its n completions ordered by index."""
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist, strict=True)]
+        ids = [
+            self.add_request(self.make_request(p, sp)) for p, sp in zip(prompts, plist, strict=True)
+        ]
         while self.has_unfinished():
             self.step()
-        by_parent: dict[str, list[CompletionOutput]] = {rid: [] for rid in ids}
+        by_request: dict[str, list[CompletionOutput]] = {rid: [] for rid in ids}
         for c in self.finished_outputs():
-            by_parent[c.request_id.split("#")[0]].append(c)
-        return [sorted(by_parent[rid], key=lambda c: c.index) for rid in ids]
+            by_request[c.request_id].append(c)
+        return [sorted(by_request[rid], key=lambda c: c.index) for rid in ids]
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[StreamOutput]:
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[TokenDelta]:
         """Generate for one prompt, yielding deltas as they are produced."""
-        rid = self.add_request(prompt, params)
+        rid = self.add_request(self.make_request(prompt, params))
         while self.has_unfinished():
             for o in self.step():
-                if o.request_id.split("#")[0] == rid:
+                if o.request_id == rid:
                     yield o

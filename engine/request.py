@@ -27,9 +27,12 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Generic, TypeVar, overload
+from typing import TYPE_CHECKING, Generic, TypeVar, overload
 
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # engine.outputs imports FinishReason from here
+    from engine.outputs import SamplingSnapshot
 
 
 class IllegalTransition(RuntimeError):
@@ -189,6 +192,58 @@ class RecordLog(Generic[R]):
         return self._items[key] if isinstance(key, int) else list(self._items)[key]
 
 
+def fork_id(parent_id: str, index: int) -> str:
+    """The engine's id of sample ``index`` (>= 1) of an n > 1 request (the parent is sample 0)."""
+    return f"{parent_id}#{index}"
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as every engine entry point takes it, built once per attempt (the HTTP
+    edge builds it per choice, the coordinator per attempt, the offline API per prompt).
+
+    Its ids are fields, never parsed out of a string: ``request_id`` is the client request's
+    id, ``choice`` which of the response's choices it is, ``attempt`` which of the cluster's
+    tries (0 outside a cluster); :attr:`key` is the engine's id for it, built from them.
+    ``cache_salt`` is the tenant: it isolates prefix-cache hits (docs/design.md#prefix-caching,
+    P10) and is what the router's per-tenant admission share counts.
+
+    The hand-off data: ``prefill_only`` ends the request HANDED_OFF after its first token with
+    its KV leased (a prefill worker); a migrated attempt carries the tokens its client already
+    has as ``resume_output`` (recomputed with the prompt, counted as output) and the sampler
+    state after them as ``sampler_snapshot``, so it continues exactly; ``snapshots`` attaches
+    the sampler state to each of its deltas (what a later migration resumes from).
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    choice: int = 0
+    attempt: int = 0
+    cache_salt: str = ""
+    priority: int = 0  # lower runs first (the engine's priority policy, the router's queue)
+    deadline: float | None = None  # absolute time.time() covering every attempt
+    arrival_time: float | None = None  # time.time() the client's request came; None: now
+    prefill_only: bool = False
+    resume_output: tuple[int, ...] = ()
+    sampler_snapshot: SamplingSnapshot | None = None
+    snapshots: bool = False
+
+    @property
+    def key(self) -> str:
+        """The engine's id of this request, built from the ids: ``<request_id>[/<choice>]
+        [@<attempt>]`` (the parts that are not 0), so each attempt's is fresh: a retry never
+        meets the attempt it replaces, and a late message of a dead attempt matches nothing."""
+        choice = f"/{self.choice}" if self.choice else ""
+        attempt = f"@{self.attempt}" if self.attempt else ""
+        return f"{self.request_id}{choice}{attempt}"
+
+    @property
+    def num_kv_tokens(self) -> int:
+        """Positions whose KV a prefill computes: the prompt plus the resumed output."""
+        return len(self.prompt_token_ids) + len(self.resume_output)
+
+
 @dataclass(eq=False)  # identity: queues test membership, and field-wise == would be O(tokens)
 class Request:
     """One sequence being served. Token counting, not phase tracking, drives scheduling:
@@ -204,6 +259,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     # Disaggregated prefill: end HANDED_OFF after the first token, keeping the KV (leased).
     prefill_only: bool = False
+    # Sample ``index`` of an n > 1 request forked from ``parent_id`` (None: the parent itself)
+    parent_id: str | None = None
+    index: int = 0
 
     status: RequestStatus = RequestStatus.QUEUED
     output_token_ids: list[int] = field(default_factory=list)

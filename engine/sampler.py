@@ -28,6 +28,7 @@ import xxhash
 from torch import Tensor
 
 from engine.logits_processors import TokenHistory, needs_processing, process_logits
+from engine.outputs import SamplingSnapshot, TokenLogprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 
@@ -161,16 +162,6 @@ def uniform(seed: int, choice: int, position: int) -> float:
     return (digest >> 11) * 2.0**-53
 
 
-@dataclass(frozen=True)
-class SamplingSnapshot:
-    """What a migrating sequence carries so that sampling continues the identical stream: its
-    key (the draws are ``uniform(seed, choice, position)``) and the output length it is at."""
-
-    seed: int
-    choice: int
-    num_output_tokens: int  # output length the snapshot belongs to: restore checks it
-
-
 @dataclass
 class SamplingState:
     """Everything the sampler keeps for one sequence between steps; lives with the request."""
@@ -241,17 +232,6 @@ class SamplingState:
 
 
 # -- the batched sampler --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """Logprobs of the RAW model distribution (log_softmax of the unprocessed logits, vLLM's
-    default): not changed by penalties, temperature or filters. For a generated token and for
-    a prompt token alike (:func:`token_logprobs`)."""
-
-    logprob: float  # of the token (sampled, or the prompt's)
-    top: list[tuple[int, float]]  # the most likely (id, logprob), as many as asked; ties by id
-    rank: int  # the token's place in that order, from 1 (it may lie beyond ``top``)
 
 
 @dataclass

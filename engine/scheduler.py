@@ -25,7 +25,14 @@ from engine.admission import Admission, AdmissionResult, NoRoom
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager, token_slice
-from engine.request import FinishReason, RecordLog, Request, RequestStatus, TerminalRecord
+from engine.request import (
+    FinishReason,
+    RecordLog,
+    Request,
+    RequestStatus,
+    TerminalRecord,
+    fork_id,
+)
 
 S = RequestStatus
 
@@ -437,7 +444,7 @@ class Scheduler:
         children = []
         for i in range(1, n_children + 1):
             child = Request(
-                request_id=f"{parent_id}#{i}",
+                request_id=fork_id(parent_id, i),
                 prompt_token_ids=list(parent.prompt_token_ids),
                 sampling_params=parent.sampling_params,
                 arrival_time=parent.arrival_time,
@@ -445,6 +452,8 @@ class Scheduler:
                 deadline=parent.deadline,
                 cache_salt=parent.cache_salt,
                 eos_token_ids=parent.eos_token_ids,
+                parent_id=parent_id,
+                index=i,
             )
             child.output_token_ids = list(parent.output_token_ids)
             child.num_generated = parent.num_generated

@@ -4,8 +4,7 @@
 side (leases, layer readiness, fault injection); ``grpc_transport`` serves exports and pulls over
 gRPC; ``torch_transport`` pulls payloads over torch.distributed pair groups under the same gRPC
 control stream; ``transport`` is the interface both clients implement.
+
+Nothing is imported here: the ingress reads ``kv_transfer.errors`` without loading the
+transports (and torch).
 """
-
-from kv_transfer.transport import KVTransport, Transport, make_transport
-
-__all__ = ["KVTransport", "Transport", "make_transport"]

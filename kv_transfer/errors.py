@@ -4,8 +4,6 @@ it in metrics."""
 
 from __future__ import annotations
 
-from engine.kv_layout import LayoutMismatch
-
 
 class KVTransferError(Exception):
     """Base of every KV transfer failure."""
@@ -49,8 +47,9 @@ class KVUnknownTransfer(KVTransferError):
     kind = "unknown_transfer"
 
 
-class KVLayoutMismatch(KVTransferError, LayoutMismatch):
-    """Sender and receiver caches differ in a layout field."""
+class KVLayoutMismatch(KVTransferError):
+    """Sender and receiver caches differ in a layout field (the engine's ``LayoutMismatch``,
+    seen across a transfer)."""
 
     kind = "layout_mismatch"
 

@@ -24,6 +24,7 @@ import torch
 import xxhash
 
 from engine.kv_layout import KVLayout, byte_view
+from engine.request import EngineRequest
 from kv_transfer.errors import KVFrameError, KVIntegrityError, KVTruncatedError
 
 Tensor = torch.Tensor
@@ -35,10 +36,15 @@ _TRAILER_TAG = "kvt1"
 
 @dataclass(frozen=True)
 class TransferKey:
-    """One attempt at moving one request's KV (a retry gets a new ``attempt_id``)."""
+    """One attempt at moving one request's KV: the client request's id (for logs) and the
+    attempt's engine key (a retry's is new)."""
 
     request_id: str
     attempt_id: str
+
+    @classmethod
+    def of(cls, attempt: EngineRequest) -> TransferKey:
+        return cls(attempt.request_id, attempt.key)
 
     def __str__(self) -> str:
         return f"{self.request_id}#{self.attempt_id}"

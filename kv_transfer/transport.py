@@ -5,23 +5,14 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable
-from enum import StrEnum
 from typing import Protocol
 
+from contracts.roles import Transport
 from engine.kv_layout import KVLayout
 from kv_transfer.exporter import ReleaseReason
 from kv_transfer.format import LayerChunk, TransferHeader, TransferKey
 from kv_transfer.grpc_transport import GrpcKVClient
 from kv_transfer.torch_transport import TorchKVClient
-
-
-class Transport(StrEnum):
-    """What carries KV payloads between a prefill and a decode worker (the topology's
-    ``transport``). The control stream is gRPC in both modes."""
-
-    AUTO = "auto"  # TORCH where the prefill and decode workers have CUDA, else GRPC
-    GRPC = "grpc"
-    TORCH = "torch"  # torch.distributed: NCCL when both sides have CUDA, gloo on CPU
 
 
 class KVTransport(Protocol):

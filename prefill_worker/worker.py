@@ -20,14 +20,16 @@ import asyncio
 import math
 import time
 from collections.abc import AsyncGenerator, Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from cluster.worker import EngineWorker
 from contracts.actors import PrefillAPI
 from contracts.faults import Fault, FaultPoint
-from contracts.messages import Attempt, KVSource, TokenBatch, WorkerInfo
+from contracts.messages import KVSource, WorkerInfo
 from contracts.roles import Role
-from engine.request import FinishReason
+from engine.outputs import TokenDelta
+from engine.request import EngineRequest, FinishReason
 from kv_transfer.exporter import Export, KVExportRegistry, ReleaseReason
 from kv_transfer.format import TransferHeader, TransferKey
 from kv_transfer.grpc_transport import KVTransferServer
@@ -44,6 +46,7 @@ class PrefillWorker(EngineWorker):
         self.server = KVTransferServer(self.registry, host=self.host_address(), port=0)
         self.server.start()
         self._expiry: asyncio.Task[None] | None = None
+        self._attempts: dict[TransferKey, int] = {}  # the attempt number of each export here
 
     def kv_address(self) -> str | None:
         return str(self.server.address)
@@ -54,8 +57,7 @@ class PrefillWorker(EngineWorker):
     def _transfer_fault(self, key: TransferKey, index: int) -> Fault | None:
         """The harness's fault due at KV stream message ``index`` (a CRASH ends the process
         here; the exporter applies the rest)."""
-        number = int(key.attempt_id.rpartition("@")[2] or 0)
-        return self.faults.check(FaultPoint.TRANSFER_CHUNK, number, index)
+        return self.faults.check(FaultPoint.TRANSFER_CHUNK, self._attempts.get(key, 0), index)
 
     async def _expire_leases(self) -> None:
         """Leases whose deadline passed are released even if nobody comes back for them."""
@@ -68,12 +70,11 @@ class PrefillWorker(EngineWorker):
             self._expiry = asyncio.get_running_loop().create_task(self._expire_leases())
         return await super().ready()
 
-    async def prefill(self, attempt: Attempt) -> AsyncGenerator[KVSource | TokenBatch, None]:
-        """Yields the KVSource, then the first token as a TokenBatch (``finish_reason``
+    async def prefill(self, attempt: EngineRequest) -> AsyncGenerator[KVSource | TokenDelta, None]:
+        """Yields the KVSource, then the first token as one TokenDelta (``finish_reason``
         HANDED_OFF when decode continues), then holds the lease until it ends."""
-        self.faults.check(FaultPoint.ACCEPTED, attempt.number, 1)
-        spec = attempt.request
-        aid = attempt.attempt_id
+        self.faults.check(FaultPoint.ACCEPTED, attempt.attempt, 1)
+        aid = attempt.key
         blocks: list[int] = []  # the block table, once the engine has scheduled the prompt
         loop = asyncio.get_running_loop()
         released = asyncio.Event()
@@ -82,59 +83,37 @@ class PrefillWorker(EngineWorker):
             loop.call_soon_threadsafe(released.set)
             asyncio.run_coroutine_threadsafe(self._free_lease(aid), loop)
 
-        tokens = spec.prompt_token_ids + attempt.resume_output
+        tokens = attempt.prompt_token_ids + attempt.resume_output
         header = TransferHeader(
-            key=TransferKey(spec.request_id, aid),
+            key=TransferKey.of(attempt),
             layout=self.engine.kv_layout,
             num_blocks=math.ceil(len(tokens) / self.engine.block_size),
             num_tokens=len(tokens),
-            block_hashes=self.engine.block_hashes(tokens, spec.cache_salt),
-            cache_salt=spec.cache_salt,
+            block_hashes=self.engine.block_hashes(tokens, attempt.cache_salt),
+            cache_salt=attempt.cache_salt,
             model_id=self.engine.model_id,
-            deadline=spec.deadline or time.time() + self.lease_timeout_s,
+            deadline=attempt.deadline or time.time() + self.lease_timeout_s,
         )
+        self._attempts[header.key] = attempt.attempt
         export = self.registry.publish(
             header,
             source=lambda layer: self.engine.read_kv_layer(layer, blocks),
             lease_deadline=time.time() + self.lease_timeout_s,
             on_release=on_release,
         )
-        self.engine.watch_layers(aid, self._layer_listener(export, attempt.number, blocks))
+        self.engine.watch_layers(aid, self._layer_listener(export, attempt.attempt, blocks))
         handed_off = False
         try:
             yield KVSource(self.name, self.kv_address() or "")
             self._touch()
-            outs = [
-                out
-                async for out in self.engine.generate(
-                    spec.prompt_token_ids,
-                    spec.params,
-                    request_id=aid,
-                    deadline=spec.deadline,
-                    cache_salt=spec.cache_salt,
-                    prefill_only=True,
-                    resume_output=attempt.resume_output,
-                    sampler_snapshot=attempt.sampler_snapshot,
-                )
-            ]
-            final = outs[-1]
-            handed_off = final.finish_reason is FinishReason.HANDED_OFF
+            first: TokenDelta | None = None
+            async for delta in self.engine.generate(replace(attempt, prefill_only=True)):
+                first = delta if first is None else first.then(delta)
+            assert first is not None and first.finished  # a stream ends with finished=True
+            handed_off = first.finish_reason is FinishReason.HANDED_OFF
             if not handed_off:
-                export.fail(f"the request ended at its first token ({final.finish_reason})")
-            logprobs = [lp for o in outs for lp in o.logprobs or []]
-            yield TokenBatch(
-                token_ids=[t for o in outs for t in o.token_ids],
-                text="".join(o.text for o in outs),
-                finished=True,
-                finish_reason=final.finish_reason,
-                error=final.error,
-                sampler_snapshot=final.sampler_snapshot,
-                logprobs=logprobs if attempt.request.params.logprobs is not None else None,
-                queue_time_s=next(
-                    (o.queue_time_s for o in outs if o.queue_time_s is not None), None
-                ),
-                prompt_logprobs=next((o.prompt_logprobs for o in outs if o.prompt_logprobs), None),
-            )
+                export.fail(f"the request ended at its first token ({first.finish_reason})")
+            yield first
             if handed_off:
                 await released.wait()
         finally:
@@ -142,6 +121,7 @@ class PrefillWorker(EngineWorker):
             if not handed_off:
                 export.fail("prefill did not hand off")
             self.registry.release(header.key, ReleaseReason.ABORTED)  # no-op once released
+            self._attempts.pop(header.key, None)
             self._touch()
 
     def _layer_listener(

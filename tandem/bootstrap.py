@@ -13,7 +13,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 
-from contracts.actors import NAMESPACE
+from contracts.roles import NAMESPACE
 
 # Ray reads these when it is imported and when its processes start.
 LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}

@@ -6,9 +6,9 @@ import os
 import sys
 from pathlib import Path
 
-from engine.demo_model import Size, write_demo_checkpoint
+from engine.config import DemoSize
 
-DEFAULT_DEMO_SIZE: Size = "tiny"
+DEFAULT_DEMO_SIZE: DemoSize = "tiny"
 
 
 def tandem_home() -> Path:
@@ -26,6 +26,9 @@ def ensure_demo_model(size: str = DEFAULT_DEMO_SIZE) -> Path:
     """Return the demo checkpoint dir, writing it first if it is not there yet."""
     out = demo_model_dir(size)
     if not (out / "config.json").exists():
+        # Imported only to build it (torch): an ingress finding it built stays without torch.
+        from engine.demo_model import write_demo_checkpoint
+
         print(f"tandem: building the {size} demo model in {out} (first use only)", file=sys.stderr)
         write_demo_checkpoint(out, size=size)  # type: ignore[arg-type]
     return out

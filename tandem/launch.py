@@ -28,13 +28,9 @@ from typing import Any
 import ray
 
 from cluster.coordinator import Coordinator
-from cluster.worker import EngineWorker
-from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient, WorkerClient
+from contracts.actors import RouterClient, WorkerClient
 from contracts.messages import WorkerInfo
-from decode_worker.worker import DecodeWorker
-from engine.loader import read_model_config
-from kv_transfer import Transport
-from prefill_worker.worker import PrefillWorker
+from contracts.roles import NAMESPACE, ROUTER_NAME, Transport
 from router.actor import RouterActor
 from tandem.demo import ensure_demo_model
 from tandem.sizing import sized_engine, sizes_itself
@@ -42,11 +38,22 @@ from tandem.topology import Role, Topology, WorkerSpec
 
 READY_TIMEOUT_S = 180.0  # loading a model; an actor stuck PENDING for CPUs fails here, loudly
 ROUTER_CALLS_BESIDE_QUEUE = 4096
-_ACTOR_CLASSES: dict[Role, type[EngineWorker]] = {
-    Role.PREFILL: PrefillWorker,
-    Role.DECODE: DecodeWorker,
-    Role.COLOCATED: EngineWorker,
-}
+
+
+def _actor_class(role: Role) -> type[Any]:
+    """The worker actor class of ``role``. Imported here, not at the top: the workers import
+    torch, and an ingress that only attaches to a running cluster must not (its restart
+    would spend most of its time importing it)."""
+    from cluster.worker import EngineWorker
+    from decode_worker.worker import DecodeWorker
+    from prefill_worker.worker import PrefillWorker
+
+    classes: dict[Role, type[EngineWorker]] = {
+        Role.PREFILL: PrefillWorker,
+        Role.DECODE: DecodeWorker,
+        Role.COLOCATED: EngineWorker,
+    }
+    return classes[role]
 
 
 def model_dir_of(topology: Topology) -> Path:
@@ -116,6 +123,8 @@ def sized_workers(
     specs = topology.workers()
     if not any(sizes_itself(s.engine) for s in specs):
         return specs
+    from engine.loader import read_model_config  # torch: not in an ingress that only attaches
+
     model, weights = read_model_config(model_dir, topology.model.dtype)
     in_domain = Counter(s.domain for s in specs)
     out = []
@@ -233,7 +242,7 @@ def memory_by_domain(label_key: str) -> dict[str, float]:
 def _start_worker(
     spec: WorkerSpec, topology: Topology, model_dir: Path, transport: Transport, by_label: bool
 ) -> Any:
-    cls = _ACTOR_CLASSES[spec.role]
+    cls = _actor_class(spec.role)
     kwargs: dict[str, Any] = {}
     if spec.role is Role.PREFILL:
         kwargs["lease_timeout_s"] = topology.lease_timeout_s

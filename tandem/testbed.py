@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from contracts.actors import NAMESPACE, ROUTER_NAME
+from contracts.roles import NAMESPACE, ROUTER_NAME
 from tandem.demo import tandem_home
 
 CHECKOUT = Path(__file__).resolve().parents[1]

@@ -23,10 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from api.gate import GateConfig
 from cluster.retry import RetryPolicy
-from contracts.roles import Role
-from engine.config import EngineConfig
-from engine.demo_model import Size
-from kv_transfer.transport import Transport
+from contracts.roles import Role, Transport
+from engine.config import DemoSize, EngineConfig
 from router.config import RouterConfig
 from tandem.demo import DEFAULT_DEMO_SIZE, demo_model_dir
 
@@ -66,7 +64,7 @@ class ModelSpec(_Section):
     path: Path | None = Field(
         None, description="local Hugging Face checkpoint dir; None = the built-in demo model"
     )
-    demo_size: Size = Field(
+    demo_size: DemoSize = Field(
         DEFAULT_DEMO_SIZE, description="size of the demo model; only without a path"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -17,9 +17,8 @@ from api.app import Service
 from api.edge import OpenAIApp
 from api.gate import DEFAULT_TENANT, GateConfig, IngressGate
 from api.metrics import Metrics
-from cluster.client_stream import ClientDelta
+from engine.outputs import TokenDelta, TokenLogprobs
 from engine.request import FinishReason
-from engine.sampler import TokenLogprobs
 
 
 class BrokenTokenizer:
@@ -34,7 +33,7 @@ class BrokenTokenizer:
 class OneDelta:
     """A coordinator whose every choice gets one final token, with its logprob."""
 
-    def generate(self, spec: Any) -> AsyncIterator[ClientDelta]:
+    def generate(self, spec: Any) -> AsyncIterator[TokenDelta]:
         return Run()
 
 
@@ -42,12 +41,15 @@ class Run:
     record = None  # what a finished choice's timing reads; None: nothing to observe
 
     def __init__(self) -> None:
-        self._left = [ClientDelta([5], "x", True, FinishReason.EOS, [TokenLogprobs(-1.0, [], 1)])]
+        lp = TokenLogprobs(-1.0, [], 1)
+        self._left = [
+            TokenDelta("r", [5], "x", finished=True, finish_reason=FinishReason.EOS, logprobs=[lp])
+        ]
 
     def __aiter__(self) -> Run:
         return self
 
-    async def __anext__(self) -> ClientDelta:
+    async def __anext__(self) -> TokenDelta:
         if not self._left:
             raise StopAsyncIteration
         return self._left.pop()

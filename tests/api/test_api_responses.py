@@ -16,7 +16,7 @@ import pytest
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from api.choices import Choices, _Choice, _no_tokens
+from api.choices import Choices, _no_tokens
 from api.gate import GateConfig
 from api.metrics import Metrics
 from api.protocol import (
@@ -49,9 +49,8 @@ from api.translate import (
     completion_prompts,
     sampling_params,
 )
-from cluster.client_stream import ClientDelta
+from engine.outputs import TokenDelta, TokenLogprobs
 from engine.request import FinishReason
-from engine.sampler import TokenLogprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer, token_bytes, token_string
 
@@ -473,13 +472,20 @@ def test_echo_with_max_tokens_0_scores_the_prompt_alone(
     assert job.score_only and [p.max_tokens for p in job.params] == [1, 1]
     assert job.prompt_texts == [demo_tok.decode([5, 6, 7])] * 2
     sampled = TokenLogprobs(-2.5, [(9, -1.0)], 3)
-    last = ClientDelta([9], "x", True, FinishReason.EOS, [sampled], lps([5, 6, 7], [9]))
-    [chunk] = choices.chunks(job, _Choice(0), _no_tokens(last))
+    last = TokenDelta(
+        "r",
+        [9],
+        "x",
+        finished=True,
+        finish_reason=FinishReason.EOS,
+        logprobs=[sampled],
+        prompt_logprobs=lps([5, 6, 7], [9]),
+    )
+    [chunk] = choices.chunks(job, 0, None, _no_tokens(last))
     (c,) = chunk["choices"]
     assert (c["text"], c["finish_reason"]) == (job.prompt_texts[0], "length")
     assert c["logprobs"]["token_logprobs"] == [None, -1.0, -2.0]
     assert "prompt_logprobs" not in c  # not asked
-    [chunk] = choices.chunks(
-        job, _Choice(0, started=True), ClientDelta([9], "y", logprobs=[sampled])
-    )
+    started = TokenDelta("r", [])
+    [chunk] = choices.chunks(job, 0, started, TokenDelta("r", [9], "y", logprobs=[sampled]))
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [len(job.prompt_texts[0])]

@@ -10,15 +10,19 @@ from pathlib import Path
 import pytest
 from helpers import assert_engine_clean
 
-from cluster.client_stream import AttemptFailed, ClientDelta, ClientStream
-from cluster.worker import Outbox, batch_of
-from contracts.messages import RequestSpec, TokenBatch
+from cluster.client_stream import AttemptFailed, ClientStream
+from cluster.worker import Outbox
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.request import FinishReason
+from engine.outputs import TokenDelta
+from engine.request import EngineRequest, FinishReason
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def request(prompt: list[int], params: SamplingParams) -> EngineRequest:
+    return EngineRequest("r", tuple(prompt), params)
 
 
 def test_a_greedy_stream_migrates_after_decode_tokens(test_llama: Path) -> None:
@@ -28,7 +32,7 @@ def test_a_greedy_stream_migrates_after_decode_tokens(test_llama: Path) -> None:
     engine = LLMEngine.from_checkpoint(test_llama, EngineConfig(kv_cache_bytes=2**22))
     prompt = list(range(40, 80))
     [[full]] = engine.generate([prompt], GREEDY)
-    rid = engine.add_request(prompt, GREEDY, prefill_only=True)
+    rid = engine.add_request(engine.make_request(prompt, GREEDY, prefill_only=True))
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.request_id == rid]
@@ -38,17 +42,19 @@ def test_a_greedy_stream_migrates_after_decode_tokens(test_llama: Path) -> None:
     assert tokens_1 == full.token_ids[:1] and snap is not None and snap.num_output_tokens == 1
     assert outs[-1].finish_reason is FinishReason.HANDED_OFF
 
-    stream = ClientStream(RequestSpec("r", prompt, GREEDY))
-    first = TokenBatch(
-        tokens_1, finished=True, finish_reason=FinishReason.HANDED_OFF, sampler_snapshot=snap
+    stream = ClientStream(request(prompt, GREEDY))
+    first = TokenDelta(
+        "r", tokens_1, finished=True, finish_reason=FinishReason.HANDED_OFF, sampler_snapshot=snap
     )
-    assert stream.accept(first, "p") == ClientDelta(tokens_1, "")
+    assert stream.accept(first, "p") == TokenDelta("r", tokens_1, "")
     assert stream.snapshot is snap and not stream.finished
-    stream.accept(TokenBatch(full.token_ids[1:3]), "d")
+    stream.accept(TokenDelta("r", full.token_ids[1:3]), "d")
     assert stream.tokens == full.token_ids[:3] and stream.snapshot is None
 
     again = engine.add_request(
-        prompt, GREEDY, resume_output=stream.tokens, sampler_snapshot=stream.snapshot
+        engine.make_request(
+            prompt, GREEDY, resume_output=stream.tokens, sampler_snapshot=stream.snapshot
+        )
     )
     tokens = list(stream.tokens)
     while engine.has_unfinished():
@@ -64,20 +70,17 @@ def test_text_is_the_engines_and_continues_exactly_across_a_hand_off(test_llama:
     engine = LLMEngine.from_checkpoint(test_llama, EngineConfig(kv_cache_bytes=2**22))
     prompt = list(range(100, 130))
     [[full]] = engine.generate([prompt], GREEDY)
-    stream = ClientStream(RequestSpec("r", prompt, GREEDY))
-    rid = engine.add_request(prompt, GREEDY, prefill_only=True)
+    stream = ClientStream(request(prompt, GREEDY))
+    rid = engine.add_request(engine.make_request(prompt, GREEDY, prefill_only=True))
     while engine.has_unfinished():
         for o in engine.step():
-            stream.accept(
-                TokenBatch(o.token_ids, o.text, o.finished, o.finish_reason, o.sampler_snapshot),
-                "p",
-            )
+            stream.accept(o, "p")
     engine.release_kv(rid)
-    resumed = engine.add_request(prompt, GREEDY, resume_output=stream.tokens)
+    resumed = engine.add_request(engine.make_request(prompt, GREEDY, resume_output=stream.tokens))
     while engine.has_unfinished():
         for o in engine.step():
             if o.request_id == resumed:
-                stream.accept(TokenBatch(o.token_ids, o.text, o.finished, o.finish_reason), "d")
+                stream.accept(o, "d")
     assert (stream.tokens, stream.text) == (full.token_ids, full.text)
     assert stream.finish_reason is FinishReason.MAX_TOKENS
     assert_engine_clean(engine)
@@ -95,9 +98,9 @@ def test_text_is_the_engines_and_continues_exactly_across_a_hand_off(test_llama:
     ],
 )
 def test_a_reason_that_ends_the_request_finishes_the_stream(reason: FinishReason) -> None:
-    stream = ClientStream(RequestSpec("r", [1, 2], GREEDY))
-    delta = stream.accept(TokenBatch([5], "a", finished=True, finish_reason=reason), "w")
-    assert delta == ClientDelta([5], "a", finished=True, finish_reason=reason)
+    stream = ClientStream(request([1, 2], GREEDY))
+    delta = stream.accept(TokenDelta("r", [5], "a", finished=True, finish_reason=reason), "w")
+    assert delta == TokenDelta("r", [5], "a", finished=True, finish_reason=reason)
     assert (stream.finished, stream.finish_reason, stream.tokens, stream.text) == (
         True,
         reason,
@@ -105,7 +108,7 @@ def test_a_reason_that_ends_the_request_finishes_the_stream(reason: FinishReason
         "a",
     )
     with pytest.raises(RuntimeError, match="already ended"):
-        stream.accept(TokenBatch([6]), "w")
+        stream.accept(TokenDelta("r", [6]), "w")
 
 
 @pytest.mark.parametrize(
@@ -116,8 +119,8 @@ def test_an_attempt_that_ends_otherwise_fails_blaming_its_worker(
 ) -> None:
     """The tokens that came with it are kept (the client has them); the attempt fails so the
     request migrates."""
-    stream = ClientStream(RequestSpec("r", [1, 2], GREEDY))
-    batch = TokenBatch([7], "x", finished=True, finish_reason=reason, error="boom")
+    stream = ClientStream(request([1, 2], GREEDY))
+    batch = TokenDelta("r", [7], "x", finished=True, finish_reason=reason, error="boom")
     with pytest.raises(AttemptFailed) as failed:
         stream.accept(batch, "decode-1")
     assert failed.value.worker == "decode-1" and not failed.value.dead
@@ -126,26 +129,26 @@ def test_an_attempt_that_ends_otherwise_fails_blaming_its_worker(
 
 
 def test_first_token_time_queue_time_and_logprobs_only_when_asked() -> None:
-    stream = ClientStream(RequestSpec("r", [1], GREEDY))
-    assert stream.accept(TokenBatch([], ""), "w") is None  # nothing to send
+    stream = ClientStream(request([1], GREEDY))
+    assert stream.accept(TokenDelta("r", [], ""), "w") is None  # nothing to send
     assert stream.first_token_at is None
-    stream.accept(TokenBatch([3], "c", logprobs=[], queue_time_s=0.25), "w")
-    stream.accept(TokenBatch([4], "d", queue_time_s=9.0), "w")
+    stream.accept(TokenDelta("r", [3], "c", logprobs=[], queue_time_s=0.25), "w")
+    stream.accept(TokenDelta("r", [4], "d", queue_time_s=9.0), "w")
     assert stream.first_token_at is not None and stream.queue_time_s == 0.25
-    delta = stream.accept(TokenBatch([4], "d", logprobs=[]), "w")
+    delta = stream.accept(TokenDelta("r", [4], "d", logprobs=[]), "w")
     assert delta is not None and delta.logprobs is None  # the request asked for none
 
 
 def test_prompt_logprobs_travel_with_the_first_token_both_ways(test_llama: Path) -> None:
     """Disaggregated, the prefill's first output carries them (the prefill worker's first
-    batch); colocated or with a decode worker's local prefill, the engine's outputs as token
-    batches (``batch_of``) merged in an outbox keep them. The client's first delta has them."""
+    delta); colocated or with a decode worker's local prefill, the engine's deltas merged in an
+    outbox keep them. The client's first delta has them."""
     engine = LLMEngine.from_checkpoint(test_llama, EngineConfig(kv_cache_bytes=2**22))
     params = replace(GREEDY, prompt_logprobs=1)
     prompt = list(range(40, 60))
     [[want]] = engine.generate([prompt], params)
     assert want.prompt_logprobs is not None and len(want.prompt_logprobs) == len(prompt)
-    rid = engine.add_request(prompt, params, prefill_only=True)
+    rid = engine.add_request(engine.make_request(prompt, params, prefill_only=True))
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.request_id == rid]
@@ -153,10 +156,10 @@ def test_prompt_logprobs_travel_with_the_first_token_both_ways(test_llama: Path)
     assert outs[0].token_ids and outs[0].prompt_logprobs == want.prompt_logprobs
     outbox = Outbox()
     for out in engine.stream(prompt, params):
-        outbox.put("a@1", batch_of(out))
+        outbox.put("a@1", out)
     [(_, [merged])] = outbox.take()
     assert merged.prompt_logprobs == want.prompt_logprobs
-    delta = ClientStream(RequestSpec("r", prompt, params)).accept(merged, "w")
+    delta = ClientStream(request(prompt, params)).accept(merged, "w")
     assert delta is not None and delta.prompt_logprobs == want.prompt_logprobs
     engine.finished_outputs()
     assert_engine_clean(engine)

@@ -15,11 +15,10 @@ import torch
 
 from cluster.token_stream import PAUSE_AT, RESUME_AT, Inbox
 from cluster.worker import EngineWorker, Outbox
-from contracts.messages import Attempt, RequestSpec, TokenBatch
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.request import FinishReason
-from engine.sampler import TokenLogprobs
+from engine.outputs import TokenDelta, TokenLogprobs
+from engine.request import EngineRequest, FinishReason
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -28,21 +27,22 @@ CONFIG = EngineConfig(kv_cache_bytes=2**22, max_num_seqs=8, max_num_batched_toke
 
 def test_batches_of_one_attempt_merge_in_order() -> None:
     lp = TokenLogprobs(logprob=-0.5, top=[(3, -0.5)], rank=1)
-    first = TokenBatch([1, 2], "ab", queue_time_s=0.25, logprobs=[lp, lp])
-    snap_batch = TokenBatch([3], "c", sampler_snapshot="snap", logprobs=[lp])  # type: ignore[arg-type]
-    last = TokenBatch([], "d", finished=True, finish_reason=FinishReason.MAX_TOKENS)
+    first = TokenDelta("a", [1, 2], "ab", queue_time_s=0.25, logprobs=[lp, lp])
+    snap_batch = TokenDelta("a", [3], "c", sampler_snapshot="snap", logprobs=[lp])  # type: ignore[arg-type]
+    last = TokenDelta("a", [], "d", finished=True, finish_reason=FinishReason.MAX_TOKENS, seed=5)
     outbox = Outbox()
     for batch in (first, snap_batch, last):
         outbox.put("a@1", batch)
-    outbox.put("b@1", TokenBatch([9]))
+    outbox.put("b@1", TokenDelta("b", [9]))
     error = RuntimeError("transfer failed")
     outbox.put("b@1", error)
-    outbox.put("b@1", TokenBatch([10]))  # after an error: kept apart, in order
+    outbox.put("b@1", TokenDelta("b", [10]))  # after an error: kept apart, in order
     assert outbox.ready.is_set()
     [(aid_a, [merged]), (aid_b, items_b)] = outbox.take()
     assert not outbox.ready.is_set() and outbox.take() == []
     assert (aid_a, aid_b) == ("a@1", "b@1")
-    assert merged == TokenBatch(
+    assert merged == TokenDelta(
+        "a",
         [1, 2, 3],
         "abcd",
         finished=True,
@@ -50,14 +50,15 @@ def test_batches_of_one_attempt_merge_in_order() -> None:
         sampler_snapshot="snap",  # type: ignore[arg-type]
         logprobs=[lp, lp, lp],
         queue_time_s=0.25,
+        seed=5,
     )
-    assert items_b == [TokenBatch([9]), error, TokenBatch([10])]
+    assert items_b == [TokenDelta("b", [9]), error, TokenDelta("b", [10])]
 
 
 def test_a_merged_snapshot_belongs_to_the_last_tokens_or_is_none() -> None:
-    with_snap = TokenBatch([1], sampler_snapshot="s1")  # type: ignore[arg-type]
-    assert with_snap.then(TokenBatch([2])).sampler_snapshot is None  # unknown after token 2
-    assert with_snap.then(TokenBatch([], "x")).sampler_snapshot == "s1"  # no new token
+    with_snap = TokenDelta("a", [1], sampler_snapshot="s1")  # type: ignore[arg-type]
+    assert with_snap.then(TokenDelta("a", [2])).sampler_snapshot is None  # unknown after token 2
+    assert with_snap.then(TokenDelta("a", [], "x")).sampler_snapshot == "s1"  # no new token
 
 
 def test_an_inbox_paces_its_attempt_and_keeps_its_error() -> None:
@@ -65,7 +66,7 @@ def test_an_inbox_paces_its_attempt_and_keeps_its_error() -> None:
         paced: list[bool] = []
         inbox = Inbox(paced.append)
         for i in range(PAUSE_AT + 3):
-            inbox.put([TokenBatch([i])])
+            inbox.put([TokenDelta("a", [i])])
         assert paced == [True]  # once, at PAUSE_AT
         got = [(await inbox.get()).token_ids[0] for _ in range(PAUSE_AT + 3 - RESUME_AT)]
         assert got == list(range(PAUSE_AT + 3 - RESUME_AT)) and paced == [True, False]
@@ -92,8 +93,8 @@ def torch_threads() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def attempt(rid: str, prompt: list[int]) -> Attempt:
-    return Attempt(RequestSpec(rid, prompt, GREEDY), 1)
+def attempt(rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> EngineRequest:
+    return EngineRequest(rid, tuple(prompt), params, attempt=1)
 
 
 async def read_all(stream, expected: int) -> dict[str, list[int]]:  # type: ignore[no-untyped-def]
@@ -103,7 +104,7 @@ async def read_all(stream, expected: int) -> dict[str, list[int]]:  # type: igno
     async for deliveries in stream:
         for aid, items in deliveries:
             for item in items:
-                assert isinstance(item, TokenBatch), item
+                assert isinstance(item, TokenDelta), item
                 tokens.setdefault(aid, []).extend(item.token_ids)
                 done += item.finished
         if done == expected:
@@ -137,7 +138,7 @@ def test_a_worker_streams_every_attempt_of_a_coordinator_over_one_stream(
         assert await read_all(again, 1) == {"more@1": expected["r1@1"]}
         # A reader that leaves: its attempts stop, their KV is freed.
         endless = dataclasses.replace(GREEDY, max_tokens=10_000)
-        long = Attempt(RequestSpec("long", prompts["r2"], endless), 1)
+        long = attempt("long", prompts["r2"], endless)
         await worker.start_generate(long, "c1")
         async for deliveries in again:
             if any(aid == "long@1" for aid, _ in deliveries):

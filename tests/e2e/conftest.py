@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from contracts.actors import NAMESPACE, ROUTER_NAME
+from contracts.roles import NAMESPACE, ROUTER_NAME
 from tandem.launch import stop_cluster
 from tandem.serve import free_port, wait_port_free, wait_until_ready
 from tandem.topology import load_topology

@@ -21,7 +21,8 @@ import ray
 from chaos.inject import Injector, Worker
 from chaos.load import InThread, Sender, requests_of
 from chaos.probe import metric
-from contracts.actors import NAMESPACE, WorkerClient
+from contracts.actors import WorkerClient
+from contracts.roles import NAMESPACE
 from tandem.deployment import DEFAULT_TOPOLOGY
 from tandem.testbed import Host
 from tandem.topology import load_topology

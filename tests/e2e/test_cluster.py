@@ -19,14 +19,12 @@ import pytest
 import ray
 from ray.exceptions import ActorUnavailableError
 
-from cluster.client_stream import ClientDelta
 from cluster.retry import RetriesExhausted
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
-from contracts.messages import RequestSpec
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.request import RequestStatus
-from engine.sampler import TokenLogprobs
+from engine.outputs import TokenDelta, TokenLogprobs
+from engine.request import EngineRequest, RequestStatus
 from engine.sampling_params import SamplingParams
 from tandem.launch import Cluster, start_cluster
 from tandem.topology import Topology
@@ -101,8 +99,8 @@ async def collect(c: Cluster, tokens: list[int], params: SamplingParams, **kw: A
 async def collect_with_logprobs(
     c: Cluster, tokens: list[int], params: SamplingParams, **kw: Any
 ) -> tuple[list[int], list[TokenLogprobs]]:
-    spec = RequestSpec(f"r{next(_ids)}", tokens, params, arrival_time=time.time(), **kw)
-    deltas: list[ClientDelta] = [d async for d in c.coordinator.generate(spec)]
+    spec = EngineRequest(f"r{next(_ids)}", tuple(tokens), params, arrival_time=time.time(), **kw)
+    deltas: list[TokenDelta] = [d async for d in c.coordinator.generate(spec)]
     assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
     ids = [t for d in deltas for t in d.token_ids]
     return ids, [lp for d in deltas for lp in d.logprobs or []]
@@ -339,7 +337,9 @@ def test_cancel_and_deadline_races_leave_one_record_each(cluster: Cluster) -> No
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 
     async def consume(rid: str, deadline: float) -> None:
-        spec = RequestSpec(rid, prompt(80, 7), params, deadline=deadline, arrival_time=time.time())
+        spec = EngineRequest(
+            rid, tuple(prompt(80, 7)), params, deadline=deadline, arrival_time=time.time()
+        )
         async for _ in cluster.coordinator.generate(spec):
             pass
 
@@ -439,7 +439,7 @@ def test_a_slow_consumer_backpressures_the_decode_engine(
     async def body() -> None:
         decodes = [w for n, w in cluster.workers.items() if n.startswith("decode")]
         before = [await w.backpressure_stats() for w in decodes]
-        spec = RequestSpec(f"r{next(_ids)}", tokens, params, arrival_time=time.time())
+        spec = EngineRequest(f"r{next(_ids)}", tuple(tokens), params, arrival_time=time.time())
         stream = cluster.coordinator.generate(spec)
         got: list[int] = []
         while len(got) < 3:  # past the hand-off: the decode worker is streaming

@@ -27,11 +27,10 @@ from test_cluster import (
 )
 
 from cluster.retry import RetriesExhausted
-from contracts.messages import RequestSpec
+from contracts.roles import Transport
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.request import RequestStatus
-from kv_transfer import Transport
+from engine.request import EngineRequest, RequestStatus
 from tandem import launch as launch_module
 from tandem.launch import Cluster, ClusterMismatch, start_cluster
 from tandem.topology import Topology
@@ -160,7 +159,7 @@ def test_torch_transport_local_prefill_herding_and_cancel(
         assert {d["prefill"] for d in recent} == {"prefill-0", "prefill-1"}
         assert any(d["hit_blocks"] == 3 for d in recent)
         # A client that leaves mid-stream: the request is cancelled, every pool recovers.
-        spec = RequestSpec("leaver", prompt(30, 4), GREEDY, arrival_time=time.time())
+        spec = EngineRequest("leaver", tuple(prompt(30, 4)), GREEDY, arrival_time=time.time())
         stream = c.coordinator.generate(spec)
         await stream.__anext__()
         await stream.__anext__()

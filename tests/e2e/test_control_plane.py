@@ -30,7 +30,8 @@ import requests
 from chaos.inject import ray_processes
 from chaos.load import InThread, Outcome, Sender, requests_of, send_one
 from chaos.probe import metric, wait_all_up
-from contracts.actors import NAMESPACE, ROUTER_NAME, RouterClient
+from contracts.actors import RouterClient
+from contracts.roles import NAMESPACE, ROUTER_NAME
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-llama"

@@ -23,8 +23,8 @@ import requests
 
 from chaos import probe
 from chaos.load import InThread, Sender, requests_of
-from contracts.actors import NAMESPACE, ROUTER_NAME
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
+from contracts.roles import NAMESPACE, ROUTER_NAME
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams

@@ -21,9 +21,10 @@ import pytest
 from helpers import assert_engine_clean
 
 from engine import request as engine_request
-from engine.async_engine import AsyncLLMEngine, BackpressureStats, EngineDeadError
+from engine.async_engine import AsyncLLMEngine, EngineDeadError
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, RequestRejected, StreamOutput
+from engine.engine import LLMEngine, RequestRejected
+from engine.outputs import BackpressureStats, TokenDelta
 from engine.request import FinishReason, RequestStatus, TerminalRecord
 from engine.sampling_params import InvalidSamplingParams, SamplingParams
 
@@ -50,10 +51,10 @@ def reference(path: Path, prompts: list, params: list[SamplingParams]) -> list[l
     return [[(c.token_ids, c.text, c.finish_reason) for c in per_prompt] for per_prompt in outs]
 
 
-def by_sample(outs: list[StreamOutput]) -> list[tuple]:
+def by_sample(outs: list[TokenDelta]) -> list[tuple]:
     """Concatenate a stream's deltas per sample index; each sample's last delta is its only
     finished one."""
-    samples: dict[int, list[StreamOutput]] = {}
+    samples: dict[int, list[TokenDelta]] = {}
     for o in outs:
         samples.setdefault(o.index, []).append(o)
     result = []
@@ -64,7 +65,7 @@ def by_sample(outs: list[StreamOutput]) -> list[tuple]:
     return result
 
 
-async def collect(gen: AsyncIterator[StreamOutput]) -> list[StreamOutput]:
+async def collect(gen: AsyncIterator[TokenDelta]) -> list[TokenDelta]:
     return [o async for o in gen]
 
 
@@ -100,15 +101,17 @@ PARAMS = [greedy(n) for n in (12, 20, 5, 30, 9, 16, 25)] + [
 def test_concurrent_staggered_streams_match_offline(engine: LLMEngine, test_llama: Path) -> None:
     expected = reference(test_llama, PROMPTS, PARAMS)
 
-    async def main() -> list[list[StreamOutput]]:
+    async def main() -> list[list[TokenDelta]]:
         async with AsyncLLMEngine(engine) as aengine:
             progressed = [asyncio.Event() for _ in PROMPTS]
 
-            async def consume(i: int) -> list[StreamOutput]:
+            async def consume(i: int) -> list[TokenDelta]:
                 if i:  # start once the previous request is mid-stream
                     await progressed[i - 1].wait()
                 outs = []
-                async for o in aengine.generate(PROMPTS[i], PARAMS[i], request_id=f"r{i}"):
+                async for o in aengine.generate(
+                    aengine.make_request(PROMPTS[i], PARAMS[i], request_id=f"r{i}")
+                ):
                     outs.append(o)
                     if len(outs) == 2:
                         progressed[i].set()
@@ -142,7 +145,9 @@ def test_a_long_running_engine_keeps_only_the_latest_records(
     async def main() -> list[TerminalRecord]:
         async with AsyncLLMEngine(engine) as aengine:
             for i in range(7):
-                await collect(aengine.generate([1, 2, 3], greedy(2), request_id=f"q{i}"))
+                await collect(
+                    aengine.generate(aengine.make_request([1, 2, 3], greedy(2), request_id=f"q{i}"))
+                )
             await aengine.wait_idle()
             return aengine.records()
 
@@ -157,7 +162,9 @@ def test_cancellation_frees_kv_within_a_tick(engine: LLMEngine) -> None:
     async def main() -> None:
         async with AsyncLLMEngine(engine) as aengine:
             # (a) aclose() after three deltas.
-            gen = aengine.generate("The quick brown fox", params, request_id="aclose")
+            gen = aengine.generate(
+                aengine.make_request("The quick brown fox", params, request_id="aclose")
+            )
             for _ in range(3):
                 await anext(gen)
             await gen.aclose()
@@ -166,7 +173,9 @@ def test_cancellation_frees_kv_within_a_tick(engine: LLMEngine) -> None:
 
             async def consume() -> None:
                 received = 0
-                async for _ in aengine.generate(list(range(50, 90)), params, request_id="task"):
+                async for _ in aengine.generate(
+                    aengine.make_request(list(range(50, 90)), params, request_id="task")
+                ):
                     received += 1
                     if received == 3:
                         got3.set()
@@ -177,7 +186,9 @@ def test_cancellation_frees_kv_within_a_tick(engine: LLMEngine) -> None:
             with pytest.raises(asyncio.CancelledError):
                 await task
             # (c) break, then the generator is garbage (the loop's finalizer closes it).
-            dropped = aengine.generate("hello world", params, request_id="dropped")
+            dropped = aengine.generate(
+                aengine.make_request("hello world", params, request_id="dropped")
+            )
             async for _ in dropped:
                 break
             del dropped
@@ -202,18 +213,32 @@ def test_admission_errors_raise_at_first_iteration(engine: LLMEngine, test_llama
     async def main() -> None:
         async with AsyncLLMEngine(engine) as aengine:
             with pytest.raises(RequestRejected, match="max_model_len"):
-                await anext(aengine.generate(too_long, greedy(4), request_id="long"))
+                await anext(
+                    aengine.generate(aengine.make_request(too_long, greedy(4), request_id="long"))
+                )
             with pytest.raises(InvalidSamplingParams, match="top_k"):
-                await anext(aengine.generate("hi", SamplingParams(top_k=5000)))
+                await anext(
+                    aengine.generate(aengine.make_request("hi", SamplingParams(top_k=5000)))
+                )
             with pytest.raises(ValueError, match="vocabulary"):
-                await anext(aengine.generate([engine.model_config.vocab_size], greedy(4)))
+                await anext(
+                    aengine.generate(
+                        aengine.make_request([engine.model_config.vocab_size], greedy(4))
+                    )
+                )
             with pytest.raises(ValueError, match="reserved"):
-                await anext(aengine.generate("hi", greedy(4), request_id="a#1"))
+                await anext(
+                    aengine.generate(aengine.make_request("hi", greedy(4), request_id="a#1"))
+                )
             # A duplicate of a request in flight is refused; the original is unharmed.
-            first = aengine.generate("still serving", greedy(6), request_id="dup")
+            first = aengine.generate(
+                aengine.make_request("still serving", greedy(6), request_id="dup")
+            )
             head = await anext(first)
             with pytest.raises(ValueError, match="duplicate"):
-                await anext(aengine.generate("other", greedy(4), request_id="dup"))
+                await anext(
+                    aengine.generate(aengine.make_request("other", greedy(4), request_id="dup"))
+                )
             outs = [head, *await collect(first)]
             assert by_sample(outs) == [ok_expected]
             await aengine.wait_idle()
@@ -232,10 +257,15 @@ def test_backpressure_pauses_slow_consumer_only(engine: LLMEngine, test_llama: P
 
     async def main() -> None:
         async with AsyncLLMEngine(engine, max_buffered_outputs=cap) as aengine:
-            slow = aengine.generate(prompts[0], greedy(40), request_id="slow")
+            slow = aengine.generate(aengine.make_request(prompts[0], greedy(40), request_id="slow"))
             slow_outs = [await anext(slow)]
             # The fast request runs to the end while nobody reads the slow one.
-            assert by_sample(await collect(aengine.generate(prompts[1], greedy(40)))) == fast_exp
+            assert (
+                by_sample(
+                    await collect(aengine.generate(aengine.make_request(prompts[1], greedy(40))))
+                )
+                == fast_exp
+            )
             await aengine.wait_idle()  # the engine thread sleeps: its state is ours to read
             req = engine.scheduler.get_request("slow")
             assert req is not None and req.status is RequestStatus.BACKPRESSURED
@@ -273,7 +303,7 @@ def test_abort_while_paused_folds_final_delta_into_full_buffer(
 
     async def main() -> None:
         async with AsyncLLMEngine(engine, max_buffered_outputs=1) as aengine:
-            gen = aengine.generate("hello world", greedy(30), request_id="p")
+            gen = aengine.generate(aengine.make_request("hello world", greedy(30), request_id="p"))
             first = await anext(gen)  # empties the buffer: resumed, refilled, paused again
             await aengine.wait_idle()
             assert aengine.backpressure_stats() == BackpressureStats(2, 1, 1)
@@ -298,7 +328,9 @@ def test_deadline_of_paused_request_wakes_the_engine(engine: LLMEngine) -> None:
     async def main() -> None:
         async with AsyncLLMEngine(engine, max_buffered_outputs=1) as aengine:
             deadline = time.time() + 1.0
-            gen = aengine.generate("hello", greedy(3000), request_id="d", deadline=deadline)
+            gen = aengine.generate(
+                aengine.make_request("hello", greedy(3000), request_id="d", deadline=deadline)
+            )
             await anext(gen)  # then nobody reads: only the deadline can end it
             record = await wait_record(aengine, "d")
             assert record.status is RequestStatus.TIMED_OUT
@@ -319,10 +351,12 @@ def test_a_paused_request_with_a_far_deadline_does_not_break_the_engine(
 
     async def main() -> None:
         async with AsyncLLMEngine(engine, max_buffered_outputs=1) as aengine:
-            gen = aengine.generate("hello", greedy(3000), request_id="far", deadline=1.7e308)
+            gen = aengine.generate(
+                aengine.make_request("hello", greedy(3000), request_id="far", deadline=1.7e308)
+            )
             await anext(gen)  # nobody reads on: the engine sleeps until the deadline
             await asyncio.sleep(0.3)
-            other = aengine.generate("hi", greedy(4), request_id="next")
+            other = aengine.generate(aengine.make_request("hi", greedy(4), request_id="next"))
             outs = await collect(other)
             assert outs[-1].finished and outs[-1].finish_reason is FinishReason.MAX_TOKENS
             await gen.aclose()
@@ -356,7 +390,9 @@ def test_engine_failure_fails_every_consumer(engine: LLMEngine) -> None:
             async def consume(rid: str) -> int:
                 received = 0
                 with pytest.raises(EngineDeadError, match="injected runner fault") as err:
-                    async for _ in aengine.generate(f"prompt {rid}", greedy(200), request_id=rid):
+                    async for _ in aengine.generate(
+                        aengine.make_request(f"prompt {rid}", greedy(200), request_id=rid)
+                    ):
                         received += 1
                 assert isinstance(err.value.__cause__, RuntimeError)
                 return received
@@ -364,7 +400,7 @@ def test_engine_failure_fails_every_consumer(engine: LLMEngine) -> None:
             received = await asyncio.gather(*(consume(rid) for rid in sorted(ids)))
             assert all(n >= 1 for n in received)  # deltas buffered before the fault still arrive
             with pytest.raises(EngineDeadError):
-                await anext(aengine.generate("after", greedy(4)))
+                await anext(aengine.generate(aengine.make_request("after", greedy(4))))
             await aengine.abort("f0")  # a no-op now, not an error
             await aengine.wait_idle()
             records = aengine.records()
@@ -385,7 +421,9 @@ def test_shutdown_fails_requests_in_flight(engine: LLMEngine) -> None:
 
         async def consume(i: int) -> None:
             with pytest.raises(EngineDeadError, match="^shutdown$"):
-                async for _ in aengine.generate(f"story {i}", greedy(500), request_id=f"s{i}"):
+                async for _ in aengine.generate(
+                    aengine.make_request(f"story {i}", greedy(500), request_id=f"s{i}")
+                ):
                     started[i].set()
 
         tasks = [asyncio.create_task(consume(i)) for i in range(3)]
@@ -394,7 +432,7 @@ def test_shutdown_fails_requests_in_flight(engine: LLMEngine) -> None:
         aengine.shutdown()
         await asyncio.gather(*tasks)
         with pytest.raises(EngineDeadError, match="shutdown"):
-            await anext(aengine.generate("late", greedy(4)))
+            await anext(aengine.generate(aengine.make_request("late", greedy(4))))
         await aengine.wait_idle()
         aengine.shutdown()  # idempotent
         return aengine

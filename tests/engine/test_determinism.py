@@ -205,12 +205,12 @@ def under_load(
     start_at, step, target_id = rng.randrange(0, 5), 0, None
     while others or engine.has_unfinished() or target_id is None:
         if step == start_at:
-            target_id = engine.add_request(target, params)
+            target_id = engine.add_request(engine.make_request(target, params))
         while others and rng.random() < 0.6:
             other = SamplingParams(
                 temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randrange(1, 40), ignore_eos=True
             )
-            engine.add_request(others.pop(), other)
+            engine.add_request(engine.make_request(others.pop(), other))
         engine.step()
         step += 1
     done = {o.request_id: o for o in engine.finished_outputs()}
@@ -303,7 +303,7 @@ def test_sglang_modes_one_unique_output_each(bf16_llama: Path) -> None:
         for _ in range(RUNS):
             batch = make()
             params = rng.choice([GREEDY, SEEDED])
-            ids = [engine.add_request(p, params) for p in batch]
+            ids = [engine.add_request(engine.make_request(p, params)) for p in batch]
             while engine.has_unfinished():
                 engine.step()
             done = {o.request_id: o for o in engine.finished_outputs()}

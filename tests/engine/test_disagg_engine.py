@@ -50,7 +50,7 @@ def reference(engine: LLMEngine, tokens: list[int], params: SamplingParams) -> l
 
 
 def prefill(engine: LLMEngine, tokens: list[int], params: SamplingParams, rid: str, **kw):
-    engine.add_request(tokens, params, request_id=rid, prefill_only=True, **kw)
+    engine.add_request(engine.make_request(tokens, params, request_id=rid, prefill_only=True, **kw))
     run(engine)
     [out] = engine.finished_outputs()
     return out
@@ -60,7 +60,7 @@ def hand_off(p: LLMEngine, d: LLMEngine, tokens: list[int], params: SamplingPara
     """Import ``out`` (a handed-off prefill) into ``d``, copy its KV, release the lease."""
     rid = out.request_id + "-d"
     *known, first = out.token_ids
-    dst = d.add_imported(tokens, params, request_id=rid, resume_output=known)
+    dst = d.add_imported(d.make_request(tokens, params, request_id=rid, resume_output=known))
     src = p.kv.block_table(out.request_id)
     assert len(src) == len(dst)
     d.runner.kv_cache[:, :, dst] = p.runner.kv_cache[:, :, src]
@@ -117,14 +117,14 @@ def test_import_waits_for_kv_then_caches_it(engines) -> None:
     _, p, d = engines
     tokens = prompt(40, offset=9)
     out = prefill(p, tokens, GREEDY, rid="wait")
-    dst = d.add_imported(tokens, GREEDY, request_id="wait-d")
+    dst = d.add_imported(d.make_request(tokens, GREEDY, request_id="wait-d"))
     req = d.scheduler.get_request("wait-d")
     assert req is not None and req.status is RequestStatus.WAITING_FOR_KV
     for _ in range(3):  # nothing runs for it while the KV is in flight
         assert d.step() == []
     assert req.num_computed_tokens == 40 and req.output_token_ids == []
     # Unverified KV is not in the prefix cache: nobody may hit it yet.
-    probe = d._new_request(tokens, GREEDY, "probe", None, 0, None, "")
+    probe = d._new_request(d.make_request(tokens, GREEDY, request_id="probe"))
     assert d.kv.get_computed_blocks(probe) == ([], 0)
     d.runner.kv_cache[:, :, dst] = p.runner.kv_cache[:, :, p.kv.block_table("wait")]
     p.release_kv("wait")
@@ -141,7 +141,7 @@ def test_import_that_fails_is_reclaimed_once(engines, how: str) -> None:
     _, _, d = engines
     tokens = prompt(33)
     deadline = 0.0 if how == "deadline" else None
-    d.add_imported(tokens, GREEDY, request_id=f"bad-{how}", deadline=deadline)
+    d.add_imported(d.make_request(tokens, GREEDY, request_id=f"bad-{how}", deadline=deadline))
     if how == "error":
         d.finish_import(f"bad-{how}", error="checksum mismatch")
     elif how == "cancel":
@@ -159,20 +159,22 @@ def test_import_without_room_now_raises_no_room_and_changes_nothing(test_llama: 
         test_llama, CONFIG.model_copy(update={"max_num_seqs": 2, "kv_cache_bytes": 2**16})
     )
     big = small.max_model_len * 3 // 5
-    small.add_imported(prompt(big), GREEDY, request_id="a")
+    small.add_imported(small.make_request(prompt(big), GREEDY, request_id="a"))
     before = small.kv.stats()
     with pytest.raises(NoRoom, match="KV reservation"):
-        small.add_imported(prompt(big, offset=1), GREEDY, request_id="b")
+        small.add_imported(small.make_request(prompt(big, offset=1), GREEDY, request_id="b"))
     assert small.kv.stats() == before
-    small.add_imported(prompt(4), GREEDY, request_id="c")
+    small.add_imported(small.make_request(prompt(4), GREEDY, request_id="c"))
     with pytest.raises(NoRoom, match="batch slots"):
-        small.add_imported(prompt(4), GREEDY, request_id="d")
+        small.add_imported(small.make_request(prompt(4), GREEDY, request_id="d"))
     for rid in ("a", "c"):
         small.finish_import(rid, error="test over")
     run(small)
     assert [r.request_id for r in small.scheduler.records] == ["a", "c"]  # none for b, d
     assert_engine_clean(small)
-    small.add_imported(prompt(big, offset=1), GREEDY, request_id="b")  # room again
+    small.add_imported(
+        small.make_request(prompt(big, offset=1), GREEDY, request_id="b")
+    )  # room again
     small.finish_import("b", error="test over")
     run(small)
     assert_engine_clean(small)
@@ -203,7 +205,7 @@ def test_layer_hook_sees_each_layer_once_its_kv_is_written(test_llama: Path) -> 
     the step is in the cache (and later layers' is not yet)."""
     p = LLMEngine.from_checkpoint(test_llama, CONFIG)
     tokens = prompt(20, offset=3)
-    p.add_request(tokens, GREEDY, request_id="hook", prefill_only=True)
+    p.add_request(p.make_request(tokens, GREEDY, request_id="hook", prefill_only=True))
     seen: list[tuple[int, bool, bool]] = []
     cache = p.runner.kv_cache
 
@@ -238,11 +240,16 @@ def test_async_handoff_through_import_request_and_call(test_llama: Path) -> None
             AsyncLLMEngine(LLMEngine.from_checkpoint(test_llama, CONFIG)) as p,
             AsyncLLMEngine(LLMEngine.from_checkpoint(test_llama, CONFIG)) as d,
         ):
-            outs = [o async for o in p.generate(tokens, SAMPLED, request_id="a", prefill_only=True)]
+            outs = [
+                o
+                async for o in p.generate(
+                    p.make_request(tokens, SAMPLED, request_id="a", prefill_only=True)
+                )
+            ]
             assert [t for o in outs for t in o.token_ids] == expected[:1]
             assert outs[-1].finish_reason is FinishReason.HANDED_OFF and outs[-1].sampler_snapshot
             blocks, stream = await d.import_request(
-                tokens, SAMPLED, request_id="a-d", snapshots=True
+                d.make_request(tokens, SAMPLED, request_id="a-d", snapshots=True)
             )
             src = await p.call(lambda e: e.kv.block_table("a"))
             d.engine.runner.kv_cache[:, :, blocks] = p.engine.runner.kv_cache[:, :, src]
@@ -258,7 +265,9 @@ def test_async_handoff_through_import_request_and_call(test_llama: Path) -> None
             with pytest.raises(KeyError):
                 await d.call(lambda e: e.sampler_snapshot("gone"))
             with pytest.raises(RequestRejected):
-                await d.import_request(prompt(10**4), SAMPLED, request_id="too-long")
+                await d.import_request(
+                    d.make_request(prompt(10**4), SAMPLED, request_id="too-long")
+                )
             await p.wait_idle()
             await d.wait_idle()
             assert_engine_clean(p.engine)
@@ -284,12 +293,19 @@ def test_the_worker_surface_moves_a_request_between_two_async_engines(test_llama
             assert p.block_hashes(tokens, "t") == prefix_hashes(tokens, 16, "t", "m")
             seen: list[tuple[int, list[int]]] = []
             p.watch_layers("a", lambda layer, table: seen.append((layer, list(table))))
-            outs = [o async for o in p.generate(tokens, SAMPLED, request_id="a", prefill_only=True)]
+            outs = [
+                o
+                async for o in p.generate(
+                    p.make_request(tokens, SAMPLED, request_id="a", prefill_only=True)
+                )
+            ]
             p.unwatch_layers("a")
             table = seen[0][1]
             assert seen == [(layer, table) for layer in range(p.kv_layout.num_layers)]
             assert len(table) == 3  # 40 tokens in blocks of 16
-            blocks, stream = await d.import_request(tokens, SAMPLED, request_id="a-d")
+            blocks, stream = await d.import_request(
+                d.make_request(tokens, SAMPLED, request_id="a-d")
+            )
             for layer in range(p.kv_layout.num_layers):
                 d.write_kv_layer(layer, blocks, p.read_kv_layer(layer, table))
             assert await p.release_kv("a") and not await p.release_kv("a")
@@ -322,16 +338,26 @@ def test_an_import_without_room_waits_in_arrival_order_until_room_frees(test_lla
     async def body() -> None:
         d = AsyncLLMEngine.from_checkpoint(test_llama, config, kv_events=True)
         with d:
-            blocks, first = await d.import_request(prompt(20), GREEDY, request_id="a")
+            blocks, first = await d.import_request(
+                d.make_request(prompt(20), GREEDY, request_id="a")
+            )
             load = await d.load()
             assert load.admitted == ["a"] and load.claimed_blocks == 2  # 20 + 12 tokens
             assert (await d.load()).admitted == []  # taken
-            b = asyncio.ensure_future(d.import_request(prompt(5, 1), GREEDY, request_id="b"))
-            c = asyncio.ensure_future(d.import_request(prompt(5, 2), GREEDY, request_id="c"))
-            late = asyncio.ensure_future(
-                d.import_request(prompt(5, 3), GREEDY, request_id="late", deadline=time.time())
+            b = asyncio.ensure_future(
+                d.import_request(d.make_request(prompt(5, 1), GREEDY, request_id="b"))
             )
-            gone = asyncio.ensure_future(d.import_request(prompt(5, 4), GREEDY, request_id="gone"))
+            c = asyncio.ensure_future(
+                d.import_request(d.make_request(prompt(5, 2), GREEDY, request_id="c"))
+            )
+            late = asyncio.ensure_future(
+                d.import_request(
+                    d.make_request(prompt(5, 3), GREEDY, request_id="late", deadline=time.time())
+                )
+            )
+            gone = asyncio.ensure_future(
+                d.import_request(d.make_request(prompt(5, 4), GREEDY, request_id="gone"))
+            )
             with pytest.raises(NoRoom, match="deadline passed while it waited"):
                 await late
             await asyncio.sleep(0.2)

@@ -16,7 +16,8 @@ import torch
 from helpers import assert_engine_clean
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, StreamOutput
+from engine.engine import LLMEngine
+from engine.outputs import TokenDelta
 from engine.request import FinishReason, RequestStatus
 from engine.sampling_params import SamplingParams
 
@@ -73,7 +74,7 @@ def run_staggered(
     step = 0
     while pending or engine.has_unfinished():
         while pending and (every == 0 or step % every == 0):
-            rids.append(engine.add_request(pending.pop(0), params))
+            rids.append(engine.add_request(engine.make_request(pending.pop(0), params)))
             if every:
                 break
         engine.step()
@@ -199,12 +200,10 @@ def llama(demo_ckpt_factory) -> Path:
     return demo_ckpt_factory("test", "llama")
 
 
-def run_one(
-    engine: LLMEngine, prompt: list[int], params: SamplingParams, **kw
-) -> list[StreamOutput]:
+def run_one(engine: LLMEngine, prompt: list[int], params: SamplingParams, **kw) -> list[TokenDelta]:
     """Run one request (``add_request`` keywords in ``kw``) to its end; its outputs."""
-    rid = engine.add_request(prompt, params, **kw)
-    outs: list[StreamOutput] = []
+    rid = engine.add_request(engine.make_request(prompt, params, **kw))
+    outs: list[TokenDelta] = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.request_id == rid]
     return outs
@@ -328,8 +327,8 @@ def test_abort_and_deadline_reclaim(llama: Path) -> None:
     engine = engine_for(llama)
     prompts = make_prompts(2048, seed=11)
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-    a = engine.add_request(prompts[5], long)
-    b = engine.add_request(prompts[6], long, deadline=time.time() + 0.05)
+    a = engine.add_request(engine.make_request(prompts[5], long))
+    b = engine.add_request(engine.make_request(prompts[6], long, deadline=time.time() + 0.05))
     for _ in range(3):
         engine.step()
     engine.abort(a)
@@ -365,7 +364,7 @@ def test_a_misaligned_sampler_snapshot_is_refused_before_admission(llama: Path) 
     prompt = make_prompts(2048, seed=12)[0]
     params = SamplingParams(temperature=0.8, seed=7, max_tokens=6, ignore_eos=True)
     [[full]] = engine.generate([prompt], params)
-    first = engine.add_request(prompt, params, snapshots=True)
+    first = engine.add_request(engine.make_request(prompt, params, snapshots=True))
     outs = []
     while not outs:
         outs = [o for o in engine.step() if o.request_id == first]
@@ -375,11 +374,15 @@ def test_a_misaligned_sampler_snapshot_is_refused_before_admission(llama: Path) 
     while engine.has_unfinished():
         engine.step()
     with pytest.raises(ValueError, match="snapshot taken at 1 output tokens"):
-        engine.add_request(prompt, params, resume_output=full.token_ids[:2], sampler_snapshot=snap)
+        engine.add_request(
+            engine.make_request(
+                prompt, params, resume_output=full.token_ids[:2], sampler_snapshot=snap
+            )
+        )
     assert not engine.has_unfinished()
     assert_engine_clean(engine)
     rid = engine.add_request(
-        prompt, params, resume_output=full.token_ids[:1], sampler_snapshot=snap
+        engine.make_request(prompt, params, resume_output=full.token_ids[:1], sampler_snapshot=snap)
     )
     tokens = list(full.token_ids[:1])
     while engine.has_unfinished():

@@ -42,8 +42,8 @@ def test_first_stream_output_carries_the_queue_time(test_llama: Path) -> None:
         test_llama, EngineConfig(dtype="float32", kv_cache_bytes=2**22, max_num_seqs=1)
     )
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
-    first = engine.add_request([5, 6, 7], params)
-    second = engine.add_request([8, 9, 10], params)
+    first = engine.add_request(engine.make_request([5, 6, 7], params))
+    second = engine.add_request(engine.make_request([8, 9, 10], params))
     outs: dict[str, list] = {first: [], second: []}
     while engine.has_unfinished():
         for o in engine.step():

@@ -16,7 +16,8 @@ import torch
 from helpers import assert_engine_clean
 
 from engine.config import EngineConfig
-from engine.engine import LLMEngine, StreamOutput
+from engine.engine import LLMEngine
+from engine.outputs import TokenDelta
 from engine.sampler import token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
@@ -100,8 +101,8 @@ def test_prompt_logprobs_come_with_the_first_token_of_every_sample(bf16_llama: P
     reports its (one) prompt's. A one-token prompt has just the None."""
     engine = engine_for(bf16_llama)
     prompt = list(range(40, 60))
-    rid = engine.add_request(prompt, greedy(3, n=2, prompt_logprobs=1))
-    outs: list[StreamOutput] = []
+    rid = engine.add_request(engine.make_request(prompt, greedy(3, n=2, prompt_logprobs=1)))
+    outs: list[TokenDelta] = []
     while engine.has_unfinished():
         outs += engine.step()
     engine.finished_outputs()
@@ -146,10 +147,10 @@ def test_logits_rows_are_returned_chunk_by_chunk(bf16_llama: Path) -> None:
         return logits
 
     engine.runner.execute = spy  # type: ignore[method-assign]
-    engine.add_request(list(range(10, 30)), greedy(6))
+    engine.add_request(engine.make_request(list(range(10, 30)), greedy(6)))
     engine.step()
-    engine.add_request(list(range(30, 50)), greedy(3, prompt_logprobs=2))
-    engine.add_request(list(range(50, 60)), greedy(3))
+    engine.add_request(engine.make_request(list(range(30, 50)), greedy(3, prompt_logprobs=2)))
+    engine.add_request(engine.make_request(list(range(50, 60)), greedy(3)))
     while engine.has_unfinished():
         engine.step()
     assert all(rows == want for rows, want in seen)

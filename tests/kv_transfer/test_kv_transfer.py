@@ -29,7 +29,6 @@ from hypothesis import strategies as st
 
 from contracts.faults import Fault, FaultAction, FaultPoint
 from engine.kv_layout import KVLayout, LayoutMismatch, byte_view, extract_layer, write_layer
-from kv_transfer import KVTransport, make_transport
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.errors import (
     KVFrameError,
@@ -57,6 +56,7 @@ from kv_transfer.format import (
 )
 from kv_transfer.grpc_transport import GrpcKVClient, KVTransferServer
 from kv_transfer.torch_transport import TorchKVClient, TorchStreamReader
+from kv_transfer.transport import KVTransport, make_transport
 from kv_transfer.wire import (
     CHANNEL_OPTIONS,
     CHUNK_BYTES,

@@ -12,9 +12,8 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
-from contracts.roles import Role
+from contracts.roles import Role, Transport
 from engine.config import EngineConfig
-from kv_transfer import Transport
 from tandem.launch import workers_have_cuda
 from tandem.sizing import sizes_itself
 from tandem.topology import Topology, TopologyError, WorkerSpec, load_topology
