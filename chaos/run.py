@@ -159,13 +159,13 @@ class ChaosRun:
     async def read_decisions(self) -> None:
         for line in await _ask(self.router.decisions(), []):
             self.attempts[line["request_id"]] = v.Attempt(
-                line["request_id"], line["prefill"], line["decode"]
+                line["request_id"], line["client_request_id"], line["prefill"], line["decode"]
             )
 
     def _attempts_of(self, response_id: str | None) -> list[v.Attempt]:
         if response_id is None:
             return []
-        return [a for a in self.attempts.values() if v.response_of(a.attempt_id) == response_id]
+        return [a for a in self.attempts.values() if a.response_id == response_id]
 
     async def _all_idle(self, when: str) -> None:
         leaks = await self._check_idle(60.0)

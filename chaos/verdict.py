@@ -26,13 +26,9 @@ class Attempt:
     """One routed attempt, from the router's decision log."""
 
     attempt_id: str
+    response_id: str  # the client request (response) it is an attempt of
     prefill: str | None
     decode: str
-
-
-def response_of(attempt_id: str) -> str:
-    """The response id an attempt id belongs to: ``cmpl-X-0@2`` -> ``cmpl-X``."""
-    return attempt_id.rpartition("@")[0].rpartition("-")[0]
 
 
 def mismatch(outcome: Outcome, answers: list[Expected]) -> str | None:

@@ -298,6 +298,7 @@ class Coordinator:
             priority=spec.priority,
             tenant=spec.cache_salt,
             deadline=spec.deadline,
+            client_request_id=spec.request_id,
         )
         decision = await self._admit(route, spec.deadline)
         aid = attempt.key

@@ -132,7 +132,7 @@ class RouteRequest:
     """One routing question. The exclusions carry a retry's history: never the worker or the
     failure domain that just failed it."""
 
-    request_id: str
+    request_id: str  # the attempt's key (EngineRequest.key): grants are per attempt
     prompt_hashes: Sequence[int]  # engine.kv_cache_manager.prefix_hashes of the prompt
     num_prompt_tokens: int  # tokens whose KV is computed: the prompt + num_resumed_tokens
     exclude_workers: frozenset[str] = frozenset()
@@ -144,6 +144,7 @@ class RouteRequest:
     priority: int = 0  # lower is served first (as vLLM's)
     tenant: str = ""
     deadline: float | None = None  # absolute time.time()
+    client_request_id: str = ""  # the client request it is an attempt of (the decision log's)
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:

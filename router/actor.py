@@ -346,7 +346,7 @@ class RouterActor:
             self.ledger.grant(decision, request, now)
             if waiter.waited:
                 self.rate.record(now)
-            line = decision.log_line()
+            line = {**decision.log_line(), "client_request_id": request.client_request_id}
             self.log.append(line)
             if logger.isEnabledFor(logging.DEBUG):  # the breakdown is ~100 us to serialise
                 logger.debug("route %s", json.dumps(line, default=str))

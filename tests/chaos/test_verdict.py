@@ -16,7 +16,6 @@ from chaos.verdict import (
     detection_s,
     mismatch,
     recovery_s,
-    response_of,
     stranded,
     timeline,
     touched_by,
@@ -70,14 +69,9 @@ def test_a_cut_answer_must_be_a_prefix_of_the_reference(status: str) -> None:
     )
 
 
-def test_response_of_an_attempt() -> None:
-    assert response_of("cmpl-abc-0@1") == "cmpl-abc"
-    assert response_of("cmpl-a-b-12@3") == "cmpl-a-b"
-
-
 def test_a_request_is_touched_by_faults_on_its_workers_or_on_everyone_while_open() -> None:
     o = Outcome(0, scheduled=9.0, sent=10.0, finished=20.0, response_id="cmpl-x")
-    mine = [Attempt("cmpl-x-0@1", "prefill-0", "decode-1")]
+    mine = [Attempt("cmpl-x@1", "cmpl-x", "prefill-0", "decode-1")]
     kill = FaultEvent("kill_worker", 12.0, ["decode-1"], until=15.0, number=1)
     other = FaultEvent("kill_worker", 12.0, ["decode-0"], until=15.0, number=2)
     before = FaultEvent("kill_worker", 2.0, ["decode-1"], until=9.5)  # back before it was sent
@@ -163,10 +157,10 @@ def record(
 def test_stranded_kv_is_held_by_survivors_for_attempts_whose_peer_was_killed() -> None:
     kill = FaultEvent("kill_worker", 10.0, ["prefill-0"])
     attempts = {
-        "a@1": Attempt("a@1", "prefill-0", "decode-0"),  # its sender died: held 0.5 s after
-        "b@1": Attempt("b@1", "prefill-0", "decode-1"),  # finished anyway: not stranded
-        "c@1": Attempt("c@1", "prefill-1", "decode-0"),  # another peer
-        "d@1": Attempt("d@1", "prefill-0", "decode-0"),  # arrived after the kill
+        "a@1": Attempt("a@1", "a", "prefill-0", "decode-0"),  # its sender died: held 0.5 s after
+        "b@1": Attempt("b@1", "b", "prefill-0", "decode-1"),  # finished anyway: not stranded
+        "c@1": Attempt("c@1", "c", "prefill-1", "decode-0"),  # another peer
+        "d@1": Attempt("d@1", "d", "prefill-0", "decode-0"),  # arrived after the kill
     }
     records = {
         "decode-0": [
