@@ -100,11 +100,12 @@ class OperatorPlane:
         with contextlib.suppress(RouterUnavailable):
             failures.detected = await _ask_router(self.router.failures_detected())
             states = await self._worker_states()
-            failures.leases_expired = sum(s.leases_expired for s in states)
+            failures.leases_expired = sum(s.report.leases_expired for s in states)
             for s in states:
                 if s.healthy:
+                    r = s.report
                     self.metrics.set_worker(
-                        s.name, s.kv_usage, s.queue_depth, s.num_running, s.prefix_hit_ratio
+                        s.name, r.kv_usage, r.queue_depth, r.num_running, r.prefix_hit_ratio
                     )
                 else:
                     self.metrics.worker_down(s.name)
@@ -151,8 +152,8 @@ def health_body(states: list[WorkerState]) -> dict[str, Any]:
     decodes is up)."""
     down = sorted(s.name for s in states if not s.healthy)
     serving = [s for s in states if s.role in _SERVING_ROLES]
-    slots = sum(s.max_num_seqs for s in serving)
-    up_slots = sum(s.max_num_seqs for s in serving if s.healthy)
+    slots = sum(s.info.max_num_seqs for s in serving)
+    up_slots = sum(s.info.max_num_seqs for s in serving if s.healthy)
     capacity = up_slots / slots if slots else 0.0
     status = "ok" if not down else "degraded" if up_slots else "unavailable"
     body: dict[str, Any] = {"status": status, "workers": len(states), "down": down}
@@ -168,11 +169,11 @@ def worker_view(s: WorkerState) -> dict[str, Any]:
         "role": s.role.value,
         "domain": s.domain,
         "state": state,
-        "queue_depth": s.queue_depth,
-        "running": s.num_running,
-        "max_num_seqs": s.max_num_seqs,
-        "kv_usage": s.kv_usage,
-        "kv_blocks": s.num_kv_blocks,
+        "queue_depth": s.report.queue_depth,
+        "running": s.report.num_running,
+        "max_num_seqs": s.info.max_num_seqs,
+        "kv_usage": s.report.kv_usage,
+        "kv_blocks": s.info.num_kv_blocks,
         "cached_blocks": s.cached_blocks,
-        "prefix_hit_ratio": s.prefix_hit_ratio,
+        "prefix_hit_ratio": s.report.prefix_hit_ratio,
     }

@@ -24,7 +24,7 @@ import random
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -57,8 +57,12 @@ class Prefix:
 
 
 def make_workers(per_role: int) -> list[WorkerState]:
+    """Workers that reported, unlimited and idle."""
     return [
-        WorkerState(f"{role}-{i}", role, DOMAINS[i % len(DOMAINS)], block_size=BLOCK_SIZE)
+        replace(
+            WorkerState.unreported(f"{role}-{i}", role, DOMAINS[i % len(DOMAINS)], BLOCK_SIZE),
+            healthy=True,
+        )
         for role in (Role.PREFILL, Role.DECODE)
         for i in range(per_role)
     ]
@@ -134,9 +138,13 @@ def make_requests(
 def drift(rng: random.Random, workers: list[WorkerState]) -> None:
     """Requests finish and KV use moves, as between two worker reports."""
     for w in workers:
-        w.queue_depth = max(0, w.queue_depth - rng.randint(0, 2))
-        w.num_running = max(0, w.num_running - rng.randint(0, 1))
-        w.kv_usage = min(1.0, max(0.0, w.kv_usage + rng.uniform(-0.05, 0.05)))
+        r = w.report
+        w.report = replace(
+            r,
+            queue_depth=max(0, r.queue_depth - rng.randint(0, 2)),
+            num_running=max(0, r.num_running - rng.randint(0, 1)),
+            kv_usage=min(1.0, max(0.0, r.kv_usage + rng.uniform(-0.05, 0.05))),
+        )
 
 
 def percentiles(samples_ns: list[int]) -> dict[str, float]:
@@ -196,8 +204,10 @@ def run(args: argparse.Namespace) -> dict:
         timings.setdefault("log_line", []).append(t2 - t1)
         modes[decision.mode.value] += 1
         if decision.prefill is not None:
-            by_name[decision.prefill].queue_depth += 1
-        by_name[decision.decode].num_running += 1
+            p = by_name[decision.prefill]
+            p.report = replace(p.report, queue_depth=p.report.queue_depth + 1)
+        d = by_name[decision.decode]
+        d.report = replace(d.report, num_running=d.report.num_running + 1)
         if i % 64 == 63:
             drift(rng, workers)
 

@@ -30,7 +30,7 @@ Delivery = tuple[str, list[TokenDelta | Exception]]
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """What a worker tells the router and the coordinator once it is up."""
+    """What a worker tells the router and the coordinator once it is up (checked when built)."""
 
     name: str
     role: Role
@@ -45,9 +45,15 @@ class WorkerInfo:
     num_kv_blocks: int = 0  # blocks in the KV pool
     admission_output_tokens: int | None = None  # predicted output reserved; None: max_tokens
 
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"{self.name}: block_size={self.block_size}: must be >= 1")
+
 
 @dataclass(frozen=True)
 class WorkerLoad:
+    """What a worker reports of its load, each time it changes (checked when built)."""
+
     name: str
     incarnation: str
     queue_depth: int  # requests admitted but not running
@@ -59,6 +65,15 @@ class WorkerLoad:
     # Attempt ids its engine admitted since the last report: the router's ledger stops
     # counting them as promised-but-unseen (they are in queue_depth/num_running/claimed now).
     admitted: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.queue_depth < 0 or self.num_running < 0:
+            raise ValueError(
+                f"{self.name}: queue_depth={self.queue_depth}, num_running={self.num_running}: "
+                "must be >= 0"
+            )
+        if not 0.0 <= self.kv_usage <= 1.0:
+            raise ValueError(f"{self.name}: kv_usage={self.kv_usage}: must be in [0, 1]")
 
 
 @dataclass(frozen=True)

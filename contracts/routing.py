@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, NamedTuple
 
+from contracts.messages import WorkerInfo, WorkerLoad
 from contracts.roles import Role
 
 
@@ -77,54 +78,61 @@ class DetectedBy(StrEnum):
 
 @dataclass(slots=True)
 class WorkerState:
-    """What the router knows of one worker, from its last report (the actor updates it in
-    place; ``choose`` only reads it). Checked when built, not on every update."""
+    """What the router knows of one worker: its last announcement and load report as they
+    came (the actor replaces them on each report), and what the router adds -- health, and the
+    admission ledger's grants the worker has not reported yet. ``choose`` only reads it."""
 
-    name: str
-    role: Role
-    domain: str
+    info: WorkerInfo  # its identity, block size and engine limits
+    report: WorkerLoad  # its queue, running requests and KV use
     healthy: bool = True  # reported, and not FAILED: it takes traffic
     failed: bool = False  # FAILED (reported dead or silent) until its health check readmits it
-    queue_depth: int = 0  # admitted, not yet running
-    num_running: int = 0
-    kv_usage: float = 0.0  # in-use KV blocks / total, in [0, 1]
-    prefix_hit_ratio: float = 0.0  # reported, for metrics (the cost uses the exact index)
-    leases_expired: int = 0  # reported, for metrics: its process's KV leases that expired
-    block_size: int = 16  # tokens per KV block (EngineConfig's default)
-    # Admission (router/admission.py): the engine's limits, the KV blocks its requests claim
-    # as last reported, and what the router granted that the worker has not reported yet.
-    max_num_seqs: int = 1_000_000  # unlimited until the worker tells
-    num_kv_blocks: int = 1_000_000_000
-    max_model_len: int = 1_000_000_000
-    admission_output_tokens: int | None = None
-    claimed_blocks: int = 0
+    # Admission (router/admission.py): what the router granted that the worker has not
+    # reported yet.
     promised_seqs: int = 0
     promised_blocks: int = 0
     cached_blocks: int = 0  # prefix-cache blocks the router's index credits it with
 
+    @classmethod
+    def unreported(cls, name: str, role: Role, domain: str, block_size: int = 16) -> WorkerState:
+        """A worker not heard from yet: no traffic (not healthy), idle, and unlimited in what
+        it has not told (its first report brings its limits). 16: EngineConfig's block size."""
+        info = WorkerInfo(
+            name,
+            role,
+            domain,
+            kv_address=None,
+            block_size=block_size,
+            incarnation="",
+            max_model_len=1_000_000_000,
+            max_num_seqs=1_000_000,
+            num_kv_blocks=1_000_000_000,
+        )
+        return cls(info, WorkerLoad(name, "", queue_depth=0, num_running=0, kv_usage=0.0), False)
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def role(self) -> Role:
+        return self.info.role
+
+    @property
+    def domain(self) -> str:
+        return self.info.domain
+
     @property
     def load(self) -> int:
         """Requests ahead of a new one here: queued, running, and granted but not yet seen."""
-        return self.queue_depth + self.num_running + self.promised_seqs
+        return self.report.queue_depth + self.report.num_running + self.promised_seqs
 
     @property
     def free_seqs(self) -> int:
-        return self.max_num_seqs - self.load
+        return self.info.max_num_seqs - self.load
 
     @property
     def free_blocks(self) -> int:
-        return self.num_kv_blocks - self.claimed_blocks - self.promised_blocks
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"{self.name}: block_size={self.block_size}: must be >= 1")
-        if self.queue_depth < 0 or self.num_running < 0:
-            raise ValueError(
-                f"{self.name}: queue_depth={self.queue_depth}, num_running={self.num_running}: "
-                "must be >= 0"
-            )
-        if not 0.0 <= self.kv_usage <= 1.0:
-            raise ValueError(f"{self.name}: kv_usage={self.kv_usage}: must be in [0, 1]")
+        return self.info.num_kv_blocks - self.report.claimed_blocks - self.promised_blocks
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,8 +73,7 @@ class RouterActor:
     ) -> None:
         self.cluster_key = cluster_key  # what the cluster was started from (tandem.launch)
         self.states: dict[str, WorkerState] = {
-            name: WorkerState(name=name, role=role, domain=domain, healthy=False, block_size=16)
-            for name, role, domain in workers
+            name: WorkerState.unreported(name, role, domain) for name, role, domain in workers
         }
         self.config = config
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -139,21 +138,12 @@ class RouterActor:
         if not state.healthy and name in self._checking:
             return False  # failed: it rejoins through the health check
         self.index.apply(name, events)
-        state.block_size = info.block_size
-        state.max_num_seqs = info.max_num_seqs
-        state.num_kv_blocks = info.num_kv_blocks
-        state.max_model_len = info.max_model_len
-        state.admission_output_tokens = info.admission_output_tokens
+        state.info = info
         self.last_seen[name] = time.time()
         if not state.healthy:
             self._note(name, "up")
         self._set_healthy(state, True)
-        state.queue_depth = load.queue_depth
-        state.num_running = load.num_running
-        state.kv_usage = load.kv_usage
-        state.prefix_hit_ratio = load.prefix_hit_ratio
-        state.claimed_blocks = load.claimed_blocks
-        state.leases_expired = load.leases_expired
+        state.report = load
         self.ledger.admitted(name, load.admitted)
         self._pump()
         return True

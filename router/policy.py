@@ -158,15 +158,15 @@ def needed_blocks(worker: WorkerState, request: RouteRequest, prefill_only: bool
     n = request.num_prompt_tokens
     if prefill_only:
         predicted = 1
-    elif worker.admission_output_tokens is not None:
-        predicted = worker.admission_output_tokens
+    elif worker.info.admission_output_tokens is not None:
+        predicted = worker.info.admission_output_tokens
     else:
         predicted = request.max_tokens
-    pool_tokens = worker.num_kv_blocks * worker.block_size
+    pool_tokens = worker.info.num_kv_blocks * worker.info.block_size
     tokens = reservation_tokens(
-        n - request.num_resumed_tokens, n, predicted, worker.max_model_len, pool_tokens
+        n - request.num_resumed_tokens, n, predicted, worker.info.max_model_len, pool_tokens
     )
-    return -(-tokens // worker.block_size)
+    return -(-tokens // worker.info.block_size)
 
 
 def has_room(worker: WorkerState, request: RouteRequest, prefill_only: bool) -> bool:
@@ -184,8 +184,8 @@ def _may_prefill_locally(
     long prompts that cannot go local."""
     n = request.num_prompt_tokens
     for worker in decoders:
-        credited = min(hits.get(worker.name, 0), (n - 1) // worker.block_size)
-        if n - credited * worker.block_size <= c.local_prefill_max_tokens:
+        credited = min(hits.get(worker.name, 0), (n - 1) // worker.info.block_size)
+        if n - credited * worker.info.block_size <= c.local_prefill_max_tokens:
             return True
     return False
 
@@ -202,11 +202,11 @@ def _prompt_scores(
     for worker, load in zip(pool, loads, strict=True):
         hit = hits.get(worker.name, 0)
         herded = hit > 0 and load - floor > c.herding_guard
-        credited = 0 if herded else min(hit, (n - 1) // worker.block_size)
-        uncached_tokens = n - credited * worker.block_size
+        credited = 0 if herded else min(hit, (n - 1) // worker.info.block_size)
+        uncached_tokens = n - credited * worker.info.block_size
         queue = w.queue_depth * load
         uncached = w.uncached_prefill_tokens * uncached_tokens
-        kv = w.kv_usage * worker.kv_usage
+        kv = w.kv_usage * worker.report.kv_usage
         total = queue + uncached + kv
         scores.append(
             Score(
@@ -234,7 +234,7 @@ def _decode_scores(pool: list[WorkerState], prefill_domain: str, w: RouterWeight
     for worker in pool:
         load = worker.load
         queue = w.queue_depth * load
-        kv = w.kv_usage * worker.kv_usage
+        kv = w.kv_usage * worker.report.kv_usage
         spread = w.domain_spread if worker.domain == prefill_domain else 0.0
         total = queue + kv + spread
         scores.append(

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import fields, replace
 from typing import Any
 
+from contracts.messages import WorkerInfo, WorkerLoad
+from contracts.roles import Role
+from contracts.routing import WorkerState
 from engine.engine import LLMEngine
+
+_INFO_FIELDS = {f.name for f in fields(WorkerInfo)}
+_LOAD_FIELDS = {f.name for f in fields(WorkerLoad)}
 
 
 def assert_engine_clean(engine: LLMEngine) -> None:
@@ -14,6 +21,24 @@ def assert_engine_clean(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
     ids = [r.request_id for r in engine.scheduler.records]
     assert len(ids) == len(set(ids))
+
+
+def worker_state(
+    name: str, role: Role, domain: str, healthy: bool = True, **kw: Any
+) -> WorkerState:
+    """A router's view of a worker that has reported: ``kw`` sets fields of its info
+    (``max_num_seqs``, ``block_size``, ...), of its load report (``queue_depth``,
+    ``kv_usage``, ...) or of the state itself (``failed``, ``promised_seqs``, ...)."""
+    state = WorkerState.unreported(name, role, domain)
+    info = {k: kw.pop(k) for k in list(kw) if k in _INFO_FIELDS}
+    report = {k: kw.pop(k) for k in list(kw) if k in _LOAD_FIELDS}
+    return replace(
+        state,
+        info=replace(state.info, **info),
+        report=replace(state.report, **report),
+        healthy=healthy,
+        **kw,
+    )
 
 
 def integral(value: Any) -> Any:

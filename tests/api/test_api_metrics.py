@@ -7,6 +7,7 @@ import json
 import logging
 
 import pytest
+from helpers import worker_state
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
@@ -412,7 +413,7 @@ def test_health_body_says_ok_degraded_or_unavailable_with_what_is_down() -> None
 
     def state(name: str, healthy: bool = True, failed: bool = False) -> WorkerState:
         role = Role(name.rsplit("-", 1)[0])
-        return WorkerState(name, role, "a", healthy=healthy, failed=failed, max_num_seqs=8)
+        return worker_state(name, role, "a", healthy=healthy, failed=failed, max_num_seqs=8)
 
     up = [state("prefill-0"), state("decode-0"), state("decode-1")]
     assert health_body(up) == {"status": "ok", "workers": 3, "down": [], "capacity": 1.0}
@@ -435,7 +436,7 @@ def test_health_body_says_ok_degraded_or_unavailable_with_what_is_down() -> None
 
 
 def test_worker_view_names_the_state_and_every_field() -> None:
-    s = WorkerState(
+    s = worker_state(
         "decode-1",
         Role.DECODE,
         "b",
@@ -462,9 +463,9 @@ def test_worker_view_names_the_state_and_every_field() -> None:
         "cached_blocks": 7,
         "prefix_hit_ratio": 0.5,
     }
-    starting = WorkerState("decode-0", Role.DECODE, "a", healthy=False)
+    starting = worker_state("decode-0", Role.DECODE, "a", healthy=False)
     assert worker_view(starting)["state"] == "starting"
-    assert worker_view(WorkerState("decode-0", Role.DECODE, "a"))["state"] == "up"
+    assert worker_view(worker_state("decode-0", Role.DECODE, "a"))["state"] == "up"
 
 
 @pytest.mark.parametrize(

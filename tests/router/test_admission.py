@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
+from helpers import worker_state
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -88,7 +90,7 @@ def test_the_router_reserves_exactly_what_the_engine_reserves(
     req.output_token_ids = list(range(resumed))
     req.prefill_only = prefill_only
     engine_blocks = kv.blocks_for(Admission(config, kv, max_model_len).target_tokens(req))
-    state = WorkerState(
+    state = worker_state(
         "decode-0",
         Role.DECODE,
         "a",
@@ -102,25 +104,25 @@ def test_the_router_reserves_exactly_what_the_engine_reserves(
 
 
 def test_room_counts_reports_and_promises() -> None:
-    w = WorkerState("decode-0", Role.DECODE, "a", block_size=BS, max_num_seqs=3, num_kv_blocks=10)
+    w = worker_state("decode-0", Role.DECODE, "a", block_size=BS, max_num_seqs=3, num_kv_blocks=10)
     r = route(n=10, max_tokens=6)  # 16 tokens: 4 blocks
     assert needed_blocks(w, r, prefill_only=False) == 4
     assert needed_blocks(w, r, prefill_only=True) == 3  # 11 tokens
     assert has_room(w, r, prefill_only=False)
-    w.claimed_blocks, w.promised_blocks = 3, 3  # 4 free blocks: exactly enough
+    w.report, w.promised_blocks = replace(w.report, claimed_blocks=3), 3  # 4 free: just enough
     assert has_room(w, r, prefill_only=False)
     w.promised_blocks = 4
     assert not has_room(w, r, prefill_only=False) and has_room(w, r, prefill_only=True)
     w.promised_blocks = 0
-    w.queue_depth, w.num_running, w.promised_seqs = 1, 1, 1  # 3 of 3 slots
+    w.report, w.promised_seqs = replace(w.report, queue_depth=1, num_running=1), 1  # 3 of 3 slots
     assert w.load == 3 and w.free_seqs == 0 and not has_room(w, r, prefill_only=True)
 
 
 def test_a_full_worker_is_skipped_saying_so() -> None:
     workers = [
-        WorkerState("prefill-0", Role.PREFILL, "a", block_size=BS, max_num_seqs=1),
-        WorkerState("decode-0", Role.DECODE, "a", block_size=BS, max_num_seqs=1, num_running=1),
-        WorkerState("decode-1", Role.DECODE, "b", block_size=BS, max_num_seqs=1),
+        worker_state("prefill-0", Role.PREFILL, "a", block_size=BS, max_num_seqs=1),
+        worker_state("decode-0", Role.DECODE, "a", block_size=BS, max_num_seqs=1, num_running=1),
+        worker_state("decode-1", Role.DECODE, "b", block_size=BS, max_num_seqs=1),
     ]
     config = RouterConfig(local_prefill_max_tokens=0)
     decision = choose(route(n=40), workers, PrefixIndex(), config)
@@ -217,8 +219,8 @@ def test_admission_rate_needs_recent_samples() -> None:
 
 def states() -> dict[str, WorkerState]:
     return {
-        "prefill-0": WorkerState("prefill-0", Role.PREFILL, "a", block_size=BS, max_num_seqs=4),
-        "decode-0": WorkerState("decode-0", Role.DECODE, "b", block_size=BS, max_num_seqs=4),
+        "prefill-0": worker_state("prefill-0", Role.PREFILL, "a", block_size=BS, max_num_seqs=4),
+        "decode-0": worker_state("decode-0", Role.DECODE, "b", block_size=BS, max_num_seqs=4),
     }
 
 

@@ -7,6 +7,7 @@ import pickle
 import random
 
 import pytest
+from helpers import worker_state
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -111,7 +112,7 @@ def test_restarted_worker_entries_vanish() -> None:
 
 def worker(name: str, domain: str = "a", load: int = 0, **kw: object) -> WorkerState:
     role = Role(name.rsplit("-", 1)[0])
-    return WorkerState(name, role, domain, queue_depth=load, block_size=BS, **kw)  # type: ignore[arg-type]
+    return worker_state(name, role, domain, queue_depth=load, block_size=BS, **kw)
 
 
 def request(tokens: list[int], rid: str = "r", **kw: object) -> RouteRequest:
@@ -400,10 +401,10 @@ def test_log_line_is_json_with_every_term() -> None:
     ("field", "value"),
     [("kv_usage", 1.5), ("queue_depth", -1), ("block_size", 0)],
 )
-def test_bad_worker_state_names_field_and_value(field: str, value: float) -> None:
+def test_bad_worker_report_names_field_and_value(field: str, value: float) -> None:
     kw: dict[str, object] = {"kv_usage": 0.0, "queue_depth": 0, "block_size": BS, field: value}
     with pytest.raises(ValueError, match=f"{field}={value}"):
-        WorkerState("prefill-0", Role.PREFILL, "a", **kw)  # type: ignore[arg-type]
+        worker_state("prefill-0", Role.PREFILL, "a", **kw)  # the report's fields are checked
 
 
 def test_bad_weights_and_requests_name_field_and_value() -> None:
@@ -640,6 +641,6 @@ def test_skipped_workers_carry_their_reason() -> None:
 
 def test_worker_state_accepts_its_boundary_values() -> None:
     """block_size 1 and a completely full KV cache (kv_usage 1.0) are valid reports."""
-    state = WorkerState("decode-0", Role.DECODE, "a", kv_usage=1.0, block_size=1)
-    assert (state.kv_usage, state.block_size) == (1.0, 1)
-    WorkerState("decode-1", Role.DECODE, "a", kv_usage=0.0, queue_depth=0, num_running=0)
+    state = worker_state("decode-0", Role.DECODE, "a", kv_usage=1.0, block_size=1)
+    assert (state.report.kv_usage, state.info.block_size) == (1.0, 1)
+    worker_state("decode-1", Role.DECODE, "a", kv_usage=0.0, queue_depth=0, num_running=0)
