@@ -39,6 +39,10 @@ from kv_transfer.torch_transport import DEFAULT_TIMEOUT_S, PairGroupHost, Pendin
 from kv_transfer.wire import (
     CHANNEL_OPTIONS,
     CHUNK_BYTES,
+    HEALTH,
+    OPEN_PAIR_GROUP,
+    PULL,
+    RELEASE,
     SERVICE,
     BatchWriter,
     Channels,
@@ -97,16 +101,16 @@ class KVTransferServer:
 
     def _handlers(self) -> grpc.GenericRpcHandler:
         return grpc.method_handlers_generic_handler(
-            SERVICE,
+            SERVICE.full_name,
             {
-                "Pull": grpc.unary_stream_rpc_method_handler(
+                PULL.name: grpc.unary_stream_rpc_method_handler(
                     self._pull,
                     request_deserializer=pb.PullRequest.FromString,
                     response_serializer=None,  # the handler yields wire bytes (wire.py)
                 ),
-                "Release": _unary(self._release, pb.ReleaseRequest),
-                "OpenPairGroup": _unary(self._open_pair_group, pb.PairGroupRequest),
-                "Health": _unary(self._health, pb.HealthRequest),
+                RELEASE.name: _unary(self._release, pb.ReleaseRequest),
+                OPEN_PAIR_GROUP.name: _unary(self._open_pair_group, pb.PairGroupRequest),
+                HEALTH.name: _unary(self._health, pb.HealthRequest),
             },
         )
 
@@ -293,9 +297,7 @@ class GrpcKVClient:
 
     def health(self, address: str, timeout_s: float = 5.0) -> int:
         """The number of exports the server holds (raises KVPeerUnavailable if it is down)."""
-        reply = self._channels.unary(
-            address, "Health", pb.HealthRequest(), pb.HealthReply, timeout_s
-        )
+        reply = self._channels.unary(address, HEALTH, pb.HealthRequest(), pb.HealthReply, timeout_s)
         return int(reply.exports)
 
     def close(self) -> None:

@@ -39,7 +39,7 @@ from kv_transfer.errors import (
 )
 from kv_transfer.exporter import ReleaseReason
 from kv_transfer.format import LayerChunk, TransferHeader, TransferKey
-from kv_transfer.wire import Channels, Sink, StreamReader
+from kv_transfer.wire import OPEN_PAIR_GROUP, Channels, Sink, StreamReader
 
 Tensor = torch.Tensor
 DEFAULT_TIMEOUT_S = 60.0
@@ -420,7 +420,7 @@ class TorchKVClient:
             timeout_s=self.group_timeout_s,
         )
         reply = self._channels.unary(
-            address, "OpenPairGroup", request, pb.PairGroupReply, timeout_s
+            address, OPEN_PAIR_GROUP, request, pb.PairGroupReply, timeout_s
         )
         server_host = address.rsplit(":", 1)[0]
         try:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
+from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.message import DecodeError
 
 from engine.kv_layout import KVLayout, LayoutMismatch, byte_view
@@ -53,7 +54,19 @@ Tensor = torch.Tensor
 Sink = Callable[[LayerChunk], None]
 Buffer = bytes | memoryview
 
-SERVICE = "tandem.kv_transfer.KVTransfer"
+# The service and its RPCs, from the proto's descriptor: a renamed or removed RPC fails here,
+# at import, instead of answering UNIMPLEMENTED on the wire.
+SERVICE = pb.DESCRIPTOR.services_by_name["KVTransfer"]
+PULL, RELEASE, OPEN_PAIR_GROUP, HEALTH = (
+    SERVICE.methods_by_name[name] for name in ("Pull", "Release", "OpenPairGroup", "Health")
+)
+
+
+def rpc_path(method: MethodDescriptor) -> str:
+    """``method``'s gRPC path, ``/<package>.<Service>/<Method>``."""
+    return f"/{method.containing_service.full_name}/{method.name}"
+
+
 # gRPC mode: payload bytes per stream message at most (big layers split, small ones packed):
 # few enough messages that their overhead stays small, small enough that sender and receiver
 # overlap (measured on a 12 MiB transfer: 1 MiB messages ~25% faster than 4 MiB ones; on
@@ -372,7 +385,7 @@ class Channels:
         if timeout <= 0:
             raise KVTransferTimeout(f"{what}: deadline already passed")
         pull = self.get(address).unary_stream(
-            f"/{SERVICE}/Pull",
+            rpc_path(PULL),
             request_serializer=pb.PullRequest.SerializeToString,
             response_deserializer=None,  # raw bytes: decode_batch takes the data zero-copy
         )
@@ -393,21 +406,26 @@ class Channels:
             puller_id=puller_id,
             reason=reason_to_pb(reason),
         )
-        reply = self.unary(address, "Release", request, pb.ReleaseReply, RELEASE_TIMEOUT_S)
+        reply = self.unary(address, RELEASE, request, pb.ReleaseReply, RELEASE_TIMEOUT_S)
         return bool(reply.released)
 
     def unary(
-        self, address: str, method: str, request: Any, reply_type: Any, timeout: float
+        self,
+        address: str,
+        method: MethodDescriptor,
+        request: Any,
+        reply_type: Any,
+        timeout: float,
     ) -> Any:
         call = self.get(address).unary_unary(
-            f"/{SERVICE}/{method}",
+            rpc_path(method),
             request_serializer=type(request).SerializeToString,
             response_deserializer=reply_type.FromString,
         )
         try:
             return call(request, timeout=timeout)
         except grpc.RpcError as e:
-            raise error_from_rpc(e, f"{method} on {address}") from e
+            raise error_from_rpc(e, f"{method.name} on {address}") from e
 
     def close(self) -> None:
         with self._lock:
