@@ -76,15 +76,8 @@ class Choices:
         except APIError as exc:
             return error_response(exc)
         done = [
-            responses.Choice(
-                index,
-                d.text,
-                d.token_ids,
-                d.finish_reason or FinishReason.MAX_TOKENS,
-                (d.logprobs or []) if job.logprobs else None,
-                None if job.chat else _prompt(job, index, d.prompt_logprobs),
-            )
-            for index, d in enumerate(g or TokenDelta(job.meta.id, []) for g in gathered)
+            replace(d, index=i, logprobs=(d.logprobs or []) if job.logprobs else None)
+            for i, d in enumerate(g or TokenDelta(job.meta.id, []) for g in gathered)
         ]
         if job.chat:
             body = responses.chat_response(
@@ -97,6 +90,7 @@ class Choices:
                 prompt_tokens=job.prompt_tokens,
                 tokenizer=self.tokenizer,
                 report=job.report,
+                prompts=[_prompt(job, i, d.prompt_logprobs) for i, d in enumerate(done)],
             )
         return JSONResponse(body)
 

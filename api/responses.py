@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from api.protocol import APIError, PromptReport
-from engine.outputs import TokenLogprobs
+from engine.outputs import TokenDelta, TokenLogprobs
 from engine.request import FinishReason
 from engine.tokenizer import Tokenizer, token_bytes, token_string
 
@@ -83,18 +83,6 @@ class Prompt:
     logprobs: Sequence[TokenLogprobs | None] | None = None  # the engine's, when computed
 
 
-@dataclass(frozen=True)
-class Choice:
-    """One finished choice, gathered by the app from the cluster's deltas."""
-
-    index: int
-    text: str
-    token_ids: Sequence[int]
-    finish_reason: FinishReason
-    logprobs: Sequence[TokenLogprobs] | None = None
-    prompt: Prompt | None = None  # completions: what ``report`` shows of it leads the choice
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     """``prompt_tokens`` counts each prompt once, whatever ``n`` (OpenAI's and vLLM's way)."""
     return {
@@ -106,20 +94,30 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def completion_response(
     meta: ResponseMeta,
-    choices: Sequence[Choice],
+    choices: Sequence[TokenDelta],
     *,
     prompt_tokens: int,
     tokenizer: Tokenizer,
     report: PromptReport = _NO_REPORT,
+    prompts: Sequence[Prompt] = (),
 ) -> dict[str, Any]:
-    """The non-streaming ``text_completion`` object."""
+    """The non-streaming ``text_completion`` object. ``choices``: each choice's deltas gathered
+    into one (``TokenDelta.then``), its ``index`` the choice's; ``prompts``: by choice index,
+    what ``report`` shows of each leads it."""
     return {
         **_head(meta, "text_completion"),
         "choices": [
             {
                 "index": c.index,
-                **completion_fields(tokenizer, report, c.prompt, c.text, c.token_ids, c.logprobs),
-                "finish_reason": openai_finish_reason(c.finish_reason),
+                **completion_fields(
+                    tokenizer,
+                    report,
+                    prompts[c.index] if prompts else None,
+                    c.text,
+                    c.token_ids,
+                    c.logprobs,
+                ),
+                "finish_reason": _finish(c),
             }
             for c in sorted(choices, key=lambda c: c.index)
         ],
@@ -128,9 +126,9 @@ def completion_response(
 
 
 def chat_response(
-    meta: ResponseMeta, choices: Sequence[Choice], *, prompt_tokens: int, tokenizer: Tokenizer
+    meta: ResponseMeta, choices: Sequence[TokenDelta], *, prompt_tokens: int, tokenizer: Tokenizer
 ) -> dict[str, Any]:
-    """The non-streaming ``chat.completion`` object."""
+    """The non-streaming ``chat.completion`` object (``choices`` as in completion_response)."""
     return {
         **_head(meta, "chat.completion"),
         "choices": [
@@ -140,12 +138,17 @@ def chat_response(
                 "logprobs": None
                 if c.logprobs is None
                 else chat_logprobs(tokenizer, c.token_ids, c.logprobs),
-                "finish_reason": openai_finish_reason(c.finish_reason),
+                "finish_reason": _finish(c),
             }
             for c in sorted(choices, key=lambda c: c.index)
         ],
         "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
     }
+
+
+def _finish(choice: TokenDelta) -> str:
+    """A finished choice's ``finish_reason``; one that came without any ran out of tokens."""
+    return openai_finish_reason(choice.finish_reason or FinishReason.MAX_TOKENS)
 
 
 def completion_chunk(

@@ -176,12 +176,12 @@ class EngineWorker:
             role=self.role,
             domain=self.domain,
             kv_address=self.kv_address(),
-            block_size=self.engine.block_size,
+            block_size=self.engine.kv.block_size,
             incarnation=self.incarnation,
             max_model_len=self.engine.max_model_len,
             vocab_size=self.engine.vocab_size,
             max_num_seqs=self.engine.config.max_num_seqs,
-            num_kv_blocks=self.engine.num_kv_blocks,
+            num_kv_blocks=self.engine.kv.num_kv_blocks,
             admission_output_tokens=self.engine.config.admission_output_tokens,
         )
 
@@ -203,7 +203,7 @@ class EngineWorker:
         """The load and the KV events since the last read, in one engine call (it runs between
         two steps). ``resync``: a router that missed reports (its restart, ours) rebuilds this
         worker's index exactly from it (docs/design.md#router-view)."""
-        engine = await self.engine.load(resync)
+        engine = await self.engine.kv.load(resync)
         stats = self.engine.kv_stats()
         load = WorkerLoad(
             name=self.name,

@@ -83,12 +83,12 @@ class DecodeWorker(EngineWorker):
             try:
                 await self._pull(source, TransferKey.of(attempt), blocks, attempt.deadline)
                 first = await handoff
-                await self.engine.finish_import(
+                await self.engine.kv.finish_import(
                     aid, next_token=first.token_ids[-1], sampler_snapshot=first.sampler_snapshot
                 )
             except BaseException as exc:
                 reason = f"KV import failed: {exc!r}"
-                await asyncio.shield(self.engine.finish_import(aid, error=reason))
+                await asyncio.shield(self.engine.kv.finish_import(aid, error=reason))
                 await stream.aclose()
                 raise
             async for delta in self._relay(stream, attempt):
@@ -114,12 +114,12 @@ class DecodeWorker(EngineWorker):
             with closing:
                 if closed:
                     raise KVTransferAborted(f"transfer {key}: the attempt was stopped")
-                self.engine.write_kv_layer(chunk.layer, blocks, chunk.payload)
+                self.engine.kv.write_layer(chunk.layer, blocks, chunk.payload)
 
         started = time.time()
         try:
             header = await asyncio.to_thread(
-                transport.pull, source.address, key, self.engine.kv_layout, sink, deadline
+                transport.pull, source.address, key, self.engine.kv.layout, sink, deadline
             )
         except KVTransferError as exc:
             dead = isinstance(exc, KVPeerUnavailable)
@@ -137,7 +137,7 @@ class DecodeWorker(EngineWorker):
                 seq=self._transfer_seq,
                 attempt_id=key.attempt_id,
                 transport=self.transport_kind.value,
-                num_bytes=header.layer_nbytes * self.engine.kv_layout.num_layers,
+                num_bytes=header.layer_nbytes * self.engine.kv.layout.num_layers,
                 started=started,
                 finished=done,
             )

@@ -5,7 +5,10 @@
     event loop (any number of consumers)            engine thread (the only one touching LLMEngine)
     generate() ──_Add / _Abort / _Resume──> command deque ──> drained at the start of each tick
         ^                                                             │ LLMEngine.step()
-        └── _Stream: bounded buffer <── push + loop.call_soon_threadsafe(wake) ┘
+        └── RequestStream: bounded buffer <── push + loop.call_soon_threadsafe(wake) ┘
+
+What a disaggregated worker needs beyond requests (KV layers, layer notifications, load and KV
+events, imports, leases) is ``AsyncLLMEngine.kv``, a :class:`~engine.kv_surface.KVSurface`.
 
 Error convention (STYLE 14): every error is *raised from the async iterator* — admission errors
 (``RequestRejected``, ``ValueError``, ``InvalidSamplingParams``) from the first ``__anext__``,
@@ -37,14 +40,13 @@ from typing import Any
 import torch
 
 from engine.admission import NoRoom
-from engine.batch import SchedulerOutput
 from engine.config import EngineConfig
 from engine.engine import LLMEngine, RequestRejected
-from engine.kv_cache_manager import KVStats, prefix_hashes
-from engine.kv_events import KVEvent, KVEventKind
-from engine.kv_layout import KVLayout, extract_layer, write_layer
-from engine.outputs import BackpressureStats, SamplingSnapshot, TokenDelta
-from engine.request import EngineRequest, RecordLog, Request, TerminalRecord, fork_id
+from engine.kv_cache_manager import KVStats
+from engine.kv_surface import KVSurface
+from engine.outputs import BackpressureStats, TokenDelta
+from engine.request import EngineRequest, RecordLog, Request, TerminalRecord
+from engine.request_stream import RequestStream, wake_all
 from engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -54,133 +56,9 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped (a step raised, or shutdown): no request can progress."""
 
 
-@dataclass(frozen=True)
-class EngineLoad:
-    """What a worker reports to the router: its queue, its batch, the KV blocks its requests
-    claim (reserved or held, leases included), the requests admitted since the last read, and
-    the prefix-cache events since then (or, for a resync, CLEARED then everything cached now)."""
-
-    num_waiting: int
-    num_running: int
-    kv_events: list[KVEvent]
-    claimed_blocks: int = 0
-    admitted: list[str] = dataclasses.field(default_factory=list)
-
-
-# Called on the engine thread with (layer, the request's block table) once the forward of the
-# request's last prompt chunk has written that layer's KV.
-LayerListener = Callable[[int, list[int]], None]
-
-
-def _merge(older: list[TokenDelta], newer: list[TokenDelta]) -> list[TokenDelta]:
-    """Fold one tick's deltas into the entry before it, sample by sample."""
-    merged = {o.index: o for o in older}
-    for o in newer:
-        prev = merged.get(o.index)
-        merged[o.index] = o if prev is None else prev.then(o)
-    return list(merged.values())
-
-
-class _Stream:
-    """One request's bounded output buffer: the engine thread pushes, the event loop pops."""
-
-    def __init__(
-        self, request_id: str, n: int, loop: asyncio.AbstractEventLoop, capacity: int
-    ) -> None:
-        self.request_id = request_id
-        # The scheduler's ids of the n sequences: the parent is sample 0.
-        self.seq_ids = [request_id] + [fork_id(request_id, i) for i in range(1, n)]
-        self.loop = loop
-        self.capacity = capacity
-        self.done = False  # the consumer saw the end or an error (event loop only)
-        self._lock = threading.Lock()
-        self._entries: deque[list[TokenDelta]] = deque()
-        self._closed = False
-        self._error: BaseException | None = None
-        self._paused = False  # changed by the engine thread only, under the lock
-        self._resume_asked = False
-        self._wakeup = asyncio.Event()
-
-    # -- engine thread --
-
-    def push(self, entry: list[TokenDelta]) -> tuple[int, bool]:
-        """Buffer one tick's deltas; the caller wakes the consumer (:func:`_wake_all`).
-        Returns (depth, whether this push filled it: pause now)."""
-        with self._lock:
-            if len(self._entries) < self.capacity:
-                self._entries.append(entry)
-            else:
-                self._entries[-1] = _merge(self._entries[-1], entry)
-            depth = len(self._entries)
-            pause = depth >= self.capacity and not self._paused
-            self._paused |= pause
-        return depth, pause
-
-    def take_resume(self) -> bool:
-        """Whether the consumer has drained a paused buffer below half (then unpause it)."""
-        with self._lock:
-            self._resume_asked = False
-            resume = self._paused and 2 * len(self._entries) < self.capacity
-            self._paused &= not resume
-            return resume
-
-    def end(self, error: BaseException | None = None) -> None:
-        """No more entries; the consumer raises ``error`` once it has drained the buffer."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        _wake_all([self])
-
-    # -- event loop --
-
-    async def get(self) -> tuple[list[TokenDelta] | None, bool]:
-        """The next entry (None at the end) and whether to ask the engine to resume."""
-        while True:
-            self._wakeup.clear()  # before looking: a push after the look sets it again
-            with self._lock:
-                if self._entries:
-                    entry = self._entries.popleft()
-                    ask = self._paused and not self._resume_asked
-                    ask &= 2 * len(self._entries) < self.capacity
-                    self._resume_asked |= ask
-                    return entry, ask
-                if self._closed:
-                    self.done = True
-                    if self._error is not None:
-                        raise self._error
-                    return None, False
-            await self._wakeup.wait()
-
-
-def _wake_all(streams: list[_Stream]) -> None:
-    """Wake the consumers of ``streams``: one call into each event loop, not one per stream
-    (a tick feeds every request of the batch; a wake-up each would be a syscall and a loop
-    iteration each, taken from the cores the next step computes on)."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[asyncio.Event]] = {}
-    for stream in streams:
-        by_loop.setdefault(stream.loop, []).append(stream._wakeup)
-    for loop, events in by_loop.items():
-        if loop.is_closed():
-            continue  # the consumer's loop is gone; the engine thread aborts the request
-        try:
-            loop.call_soon_threadsafe(_set_all, events)
-        except RuntimeError:
-            pass  # closed between the check and the call
-
-
-def _set_all(events: list[asyncio.Event]) -> None:
-    for event in events:
-        event.set()
-
-
 @dataclass
 class _Add:
-    stream: _Stream
+    stream: RequestStream
     admit: Callable[[LLMEngine], Any]  # adds the request under stream.request_id
     admitted: asyncio.Future[Any] | None = None  # gets admit's result (or its exception)
     # On NoRoom: wait (parked) and try again after each tick, until this deadline, if any.
@@ -222,9 +100,6 @@ class AsyncLLMEngine:
         if max_buffered_outputs < 1:
             raise ValueError(f"max_buffered_outputs={max_buffered_outputs}: must be >= 1")
         self.engine = engine
-        # request id -> listener; added and removed on the event loop, read by the engine thread
-        # (single dict operations, atomic in CPython).
-        self._layer_listeners: dict[str, LayerListener] = {}
         self.max_buffered_outputs = max_buffered_outputs
         # Guarded by _cond: the command queue, the lifecycle flags and the idle waiters.
         self._cond = threading.Condition()
@@ -234,7 +109,7 @@ class AsyncLLMEngine:
         self._idle = False  # the engine thread sleeps with nothing it can do
         self._idle_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
         # Engine-thread only.
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, RequestStream] = {}
         self._parked: list[_Add] = []  # imports waiting for room (NoRoom), in arrival order
         self._admitted: list[str] = []  # ids admitted since the last load() read
         self._stalled = False  # the last tick changed nothing (every live request paused)
@@ -244,6 +119,7 @@ class AsyncLLMEngine:
         self._records: RecordLog[TerminalRecord] = RecordLog()
         self._records_seen = 0  # scheduler records copied into _records
         self._bp = BackpressureStats(0, 0, 0)
+        self.kv = KVSurface(self)  # what a disaggregated worker needs beyond requests
         threads = engine.config.num_threads
         started = threading.Event()
         self._thread = threading.Thread(
@@ -282,7 +158,7 @@ class AsyncLLMEngine:
         ``__anext__`` when admission refuses it; EngineDeadError once the engine is dead.
         """
         rid = request.key
-        stream = _Stream(
+        stream = RequestStream(
             rid, request.params.n, asyncio.get_running_loop(), self.max_buffered_outputs
         )
         self._submit(_Add(stream, lambda engine: engine.add_request(request)))
@@ -300,7 +176,7 @@ class AsyncLLMEngine:
         rid = request.key
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[list[int]] = loop.create_future()
-        stream = _Stream(rid, request.params.n, loop, self.max_buffered_outputs)
+        stream = RequestStream(rid, request.params.n, loop, self.max_buffered_outputs)
 
         def admit(engine: LLMEngine) -> list[int]:
             return engine.add_imported(request)
@@ -331,16 +207,6 @@ class AsyncLLMEngine:
         self._submit(_Call(fn, loop, future))
         return await future
 
-    # -- the worker surface --------------------------------------------------------------------
-
-    @property
-    def kv_layout(self) -> KVLayout:
-        return self.engine.runner.kv_layout
-
-    @property
-    def block_size(self) -> int:
-        return self.engine.config.block_size
-
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
@@ -353,84 +219,11 @@ class AsyncLLMEngine:
     def config(self) -> EngineConfig:
         return self.engine.config
 
-    @property
-    def num_kv_blocks(self) -> int:
-        return self.engine.kv.pool.num_blocks
-
-    @property
-    def model_id(self) -> str:
-        return self.engine.kv.model_id
-
-    def block_hashes(self, token_ids: Sequence[int], cache_salt: str) -> list[int]:
-        """The prefix-cache hashes of ``token_ids``' full blocks, as this engine keys them."""
-        return prefix_hashes(token_ids, self.block_size, cache_salt, self.model_id)
-
-    def read_kv_layer(self, layer: int, block_ids: Sequence[int]) -> torch.Tensor:
-        """One layer of ``block_ids``' KV (a copy). Any thread, for blocks the caller holds
-        (leased, or reserved for its import): the engine neither writes nor frees them then."""
-        return extract_layer(self.engine.runner.kv_cache, layer, block_ids)
-
-    def write_kv_layer(self, layer: int, block_ids: Sequence[int], payload: torch.Tensor) -> None:
-        """Write one layer of imported KV into ``block_ids`` (blocks reserved for a request in
-        WAITING_FOR_KV, which no step reads). Any thread. Raises LayoutMismatch."""
-        write_layer(self.engine.runner.kv_cache, layer, block_ids, payload)
-
-    def watch_layers(self, request_id: str, listener: LayerListener) -> None:
-        """Call ``listener(layer, block_table)`` on the engine thread as the forward of
-        ``request_id``'s last prompt chunk writes each layer (a prefill worker streams a layer
-        while later layers compute). Until :meth:`unwatch_layers`."""
-        self.engine.runner.layer_hook = self._on_layer
-        self._layer_listeners[request_id] = listener
-
-    def unwatch_layers(self, request_id: str) -> None:
-        self._layer_listeners.pop(request_id, None)
-
-    def _on_layer(self, layer: int, out: SchedulerOutput) -> None:
-        for chunk in out.chunks:
-            listener = self._layer_listeners.get(chunk.request_id)
-            if listener is not None and chunk.sample:
-                listener(layer, chunk.block_table)
-
-    async def load(self, resync: bool = False) -> EngineLoad:
-        """The queue, the batch and the prefix-cache events since the last call, read between
-        two steps. ``resync``: CLEARED then everything cached now instead of the events, from
-        which a router that missed reports rebuilds its index of this engine exactly."""
-
-        def read(e: LLMEngine) -> EngineLoad:
-            events = e.kv.pool.take_events()
-            if resync:  # superseded by the snapshot
-                cached = tuple(e.kv.pool.cached_hashes())
-                events = [KVEvent(KVEventKind.CLEARED), KVEvent(KVEventKind.STORED, cached)]
-            admitted, self._admitted = self._admitted, []
-            return EngineLoad(
-                e.scheduler.num_waiting,
-                e.scheduler.num_running,
-                events,
-                claimed_blocks=e.kv.claimed_blocks(),
-                admitted=admitted,
-            )
-
-        return await self.call(read)  # type: ignore[no-any-return]
-
-    async def finish_import(
-        self,
-        request_id: str,
-        *,
-        next_token: int | None = None,
-        sampler_snapshot: SamplingSnapshot | None = None,
-        error: str | None = None,
-    ) -> None:
-        """See :meth:`LLMEngine.finish_import`: the imported KV is in (decode from
-        ``next_token``), or the import failed (``error``: the request ends FAILED)."""
-        await self.call(
-            lambda e: e.finish_import(
-                request_id, next_token=next_token, sampler_snapshot=sampler_snapshot, error=error
-            )
-        )
-
-    async def release_kv(self, request_id: str) -> bool:
-        """End the lease on a handed-off request's blocks; False if already released."""
-        return await self.call(lambda e: e.release_kv(request_id))  # type: ignore[no-any-return]
+    def take_admitted(self) -> list[str]:
+        """Engine thread: the ids admitted since the last call (the router's ledger stops
+        counting them as promised-but-unseen)."""
+        admitted, self._admitted = self._admitted, []
+        return admitted
 
     async def check_idle(self) -> KVStats:
         """The leak check: wait until nothing runs, then every pool must be at baseline
@@ -439,7 +232,7 @@ class AsyncLLMEngine:
         await self.call(lambda e: e.kv.check_idle())
         return self.kv_stats()
 
-    async def _consume(self, stream: _Stream) -> AsyncGenerator[TokenDelta, None]:
+    async def _consume(self, stream: RequestStream) -> AsyncGenerator[TokenDelta, None]:
         rid = stream.request_id
         try:
             while True:
@@ -678,9 +471,9 @@ class AsyncLLMEngine:
             if ended and all(scheduler.get_request(sid) is None for sid in stream.seq_ids):
                 del self._streams[rid]
                 stream.end()
-        _wake_all(woken)
+        wake_all(woken)
 
-    def _set_backpressured(self, stream: _Stream, on: bool) -> None:
+    def _set_backpressured(self, stream: RequestStream, on: bool) -> None:
         for sid in stream.seq_ids:
             self.engine.scheduler.set_backpressured(sid, on)
         if on:

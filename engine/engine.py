@@ -416,27 +416,7 @@ class LLMEngine:
         record = record or req.record
         assert record is not None, f"{rid}: terminal without a record"
         reason = req.finish_reason or FinishReason.ERROR
-        self._finished.append(
-            CompletionOutput(
-                request_id=req.parent_id or rid,
-                index=seq.index,
-                prompt_token_ids=req.prompt_token_ids,
-                token_ids=list(req.output_token_ids[: seq.detok.num_committed]),
-                text=seq.detok.text,
-                finish_reason=reason,
-                record=record,
-                logprobs=seq.logprobs if req.sampling_params.logprobs is not None else None,
-                seed=seq.sampling.seed,
-                sampler_snapshot=seq.sampling.snapshot() if req.prefill_only else None,
-                prompt_logprobs=seq.prompt_logprobs,
-                timing={
-                    "ttft_s": metrics.ttft(req.times),
-                    "tpot_s": metrics.tpot(req.times),
-                    "e2e_s": metrics.e2e(req.times),
-                    "itl_s": metrics.itls(req.times),
-                },
-            )
-        )
+        self._finished.append(_completion(seq, record, reason))
         snap = seq.sampling.snapshot() if req.prefill_only or seq.snapshots else None
         return TokenDelta(
             req.parent_id or rid,
@@ -481,3 +461,27 @@ class LLMEngine:
             for o in self.step():
                 if o.request_id == rid:
                     yield o
+
+
+def _completion(seq: _Sequence, record: TerminalRecord, reason: FinishReason) -> CompletionOutput:
+    """A finished sequence as the offline API returns it."""
+    req = seq.request
+    return CompletionOutput(
+        request_id=req.parent_id or req.request_id,
+        index=seq.index,
+        prompt_token_ids=req.prompt_token_ids,
+        token_ids=list(req.output_token_ids[: seq.detok.num_committed]),
+        text=seq.detok.text,
+        finish_reason=reason,
+        record=record,
+        logprobs=seq.logprobs if req.sampling_params.logprobs is not None else None,
+        seed=seq.sampling.seed,
+        sampler_snapshot=seq.sampling.snapshot() if req.prefill_only else None,
+        prompt_logprobs=seq.prompt_logprobs,
+        timing={
+            "ttft_s": metrics.ttft(req.times),
+            "tpot_s": metrics.tpot(req.times),
+            "e2e_s": metrics.e2e(req.times),
+            "itl_s": metrics.itls(req.times),
+        },
+    )

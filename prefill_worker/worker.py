@@ -86,22 +86,22 @@ class PrefillWorker(EngineWorker):
         tokens = attempt.prompt_token_ids + attempt.resume_output
         header = TransferHeader(
             key=TransferKey.of(attempt),
-            layout=self.engine.kv_layout,
-            num_blocks=math.ceil(len(tokens) / self.engine.block_size),
+            layout=self.engine.kv.layout,
+            num_blocks=math.ceil(len(tokens) / self.engine.kv.block_size),
             num_tokens=len(tokens),
-            block_hashes=self.engine.block_hashes(tokens, attempt.cache_salt),
+            block_hashes=self.engine.kv.block_hashes(tokens, attempt.cache_salt),
             cache_salt=attempt.cache_salt,
-            model_id=self.engine.model_id,
+            model_id=self.engine.kv.model_id,
             deadline=attempt.deadline or time.time() + self.lease_timeout_s,
         )
         self._attempts[header.key] = attempt.attempt
         export = self.registry.publish(
             header,
-            source=lambda layer: self.engine.read_kv_layer(layer, blocks),
+            source=lambda layer: self.engine.kv.read_layer(layer, blocks),
             lease_deadline=time.time() + self.lease_timeout_s,
             on_release=on_release,
         )
-        self.engine.watch_layers(aid, self._layer_listener(export, attempt.attempt, blocks))
+        self.engine.kv.watch_layers(aid, self._layer_listener(export, attempt.attempt, blocks))
         handed_off = False
         try:
             yield KVSource(self.name, self.kv_address() or "")
@@ -117,7 +117,7 @@ class PrefillWorker(EngineWorker):
             if handed_off:
                 await released.wait()
         finally:
-            self.engine.unwatch_layers(aid)
+            self.engine.kv.unwatch_layers(aid)
             if not handed_off:
                 export.fail("prefill did not hand off")
             self.registry.release(header.key, ReleaseReason.ABORTED)  # no-op once released
@@ -138,7 +138,7 @@ class PrefillWorker(EngineWorker):
         return on_layer
 
     async def _free_lease(self, attempt_id: str) -> None:
-        await self.engine.release_kv(attempt_id)
+        await self.engine.kv.release(attempt_id)
         self._touch()
 
 

@@ -29,7 +29,6 @@ from api.protocol import (
 )
 from api.responses import (
     SSE_DONE,
-    Choice,
     Prompt,
     ResponseMeta,
     chat_chunk,
@@ -77,7 +76,7 @@ def test_the_seed_is_a_top_level_field_of_every_response_object(bl_tok: Tokenize
     """With a seed in the meta every object carries it (the openai client keeps it as an extra
     field); without one no object has the field."""
     meta = ResponseMeta("cmpl-3", "demo", 3, seed=2**62)
-    choices = [Choice(0, "ok", [5], FinishReason.MAX_TOKENS)]
+    choices = [TokenDelta("r", [5], "ok", finish_reason=FinishReason.MAX_TOKENS)]
     kw: dict[str, Any] = {"prompt_tokens": 1, "tokenizer": bl_tok}
     objects = [
         completion_response(meta, choices, **kw),
@@ -159,13 +158,13 @@ CLIENT_REASONS = set(FinishReason) - {
 def test_completion_response_parses(demo_tok: Tokenizer) -> None:
     ids = demo_tok.encode(" Hi there", add_special_tokens=False)
     choices = [
-        Choice(1, "b", [9], FinishReason.DEADLINE),
-        Choice(
-            0,
-            " Hi there",
+        TokenDelta("r", [9], "b", index=1, finish_reason=FinishReason.DEADLINE),
+        TokenDelta(
+            "r",
             ids,
-            FinishReason.EOS,
-            [TokenLogprobs(-1.0, [(ids[0], -1.0)], 1)] * len(ids),
+            " Hi there",
+            finish_reason=FinishReason.EOS,
+            logprobs=[TokenLogprobs(-1.0, [(ids[0], -1.0)], 1)] * len(ids),
         ),
     ]
     obj = completion_response(META, choices, prompt_tokens=5, tokenizer=demo_tok)
@@ -196,7 +195,13 @@ def test_completion_response_parses(demo_tok: Tokenizer) -> None:
 def test_chat_response_parses(bl_tok: Tokenizer) -> None:
     ids = bl_tok.encode("ok", add_special_tokens=False)
     choices = [
-        Choice(0, "ok", ids, FinishReason.MAX_TOKENS, [TokenLogprobs(-0.25, [], 1)] * len(ids))
+        TokenDelta(
+            "r",
+            ids,
+            "ok",
+            finish_reason=FinishReason.MAX_TOKENS,
+            logprobs=[TokenLogprobs(-0.25, [], 1)] * len(ids),
+        )
     ]
     obj = chat_response(
         ResponseMeta("chatcmpl-1", "demo", 3), choices, prompt_tokens=4, tokenizer=bl_tok
@@ -282,8 +287,9 @@ def fake_server(tok: Tokenizer, seen: list[Any]) -> Callable[[httpx2.Request], h
         )
         meta = ResponseMeta("x-1", req.model, 9)
         out = [
-            Choice(p * req.n + j, tok.decode(ids[1:4]), ids[1:4], FinishReason.MAX_TOKENS,
-                   [TokenLogprobs(-1.0, [], 1)] * 3 if sp.logprobs is not None else None)
+            TokenDelta("r", ids[1:4], tok.decode(ids[1:4]), index=p * req.n + j,
+                       finish_reason=FinishReason.MAX_TOKENS,
+                       logprobs=[TokenLogprobs(-1.0, [], 1)] * 3 if sp.logprobs is not None else None)
             for p, ids in enumerate(prompts)
             for j in range(req.n)
         ]  # fmt: skip
@@ -416,16 +422,22 @@ def test_echo_and_prompt_logprobs_in_a_completion_choice(demo_tok: Tokenizer) ->
     (The official client reads both: tests/e2e/test_api_serve.py.)"""
     prompt = demo_tok.encode("Hello world")
     gen = demo_tok.encode(" again", add_special_tokens=False)
-    choice = Choice(
-        0,
-        " again",
+    choice = TokenDelta(
+        "r",
         gen,
-        FinishReason.MAX_TOKENS,
-        [TokenLogprobs(-0.25, [], 1)] * len(gen),
-        Prompt("Hello world", prompt, lps(prompt, [5, 6, 8])),
+        " again",
+        finish_reason=FinishReason.MAX_TOKENS,
+        logprobs=[TokenLogprobs(-0.25, [], 1)] * len(gen),
     )
     report = PromptReport(echo=True, logprobs=1, prompt_logprobs=2)
-    obj = completion_response(META, [choice], prompt_tokens=3, tokenizer=demo_tok, report=report)
+    obj = completion_response(
+        META,
+        [choice],
+        prompt_tokens=3,
+        tokenizer=demo_tok,
+        report=report,
+        prompts=[Prompt("Hello world", prompt, lps(prompt, [5, 6, 8]))],
+    )
     [parsed] = obj["choices"]
     assert parsed["text"] == "Hello world again"
     lp = parsed["logprobs"]

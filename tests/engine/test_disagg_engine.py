@@ -289,37 +289,37 @@ def test_the_worker_surface_moves_a_request_between_two_async_engines(test_llama
         p = AsyncLLMEngine.from_checkpoint(test_llama, CONFIG, model_id="m", kv_events=True)
         d = AsyncLLMEngine.from_checkpoint(test_llama, CONFIG, model_id="m", kv_events=True)
         with p, d:
-            assert (p.kv_layout, p.block_size, p.model_id) == (d.kv_layout, 16, "m")
-            assert p.block_hashes(tokens, "t") == prefix_hashes(tokens, 16, "t", "m")
+            assert (p.kv.layout, p.kv.block_size, p.kv.model_id) == (d.kv.layout, 16, "m")
+            assert p.kv.block_hashes(tokens, "t") == prefix_hashes(tokens, 16, "t", "m")
             seen: list[tuple[int, list[int]]] = []
-            p.watch_layers("a", lambda layer, table: seen.append((layer, list(table))))
+            p.kv.watch_layers("a", lambda layer, table: seen.append((layer, list(table))))
             outs = [
                 o
                 async for o in p.generate(
                     p.make_request(tokens, SAMPLED, request_id="a", prefill_only=True)
                 )
             ]
-            p.unwatch_layers("a")
+            p.kv.unwatch_layers("a")
             table = seen[0][1]
-            assert seen == [(layer, table) for layer in range(p.kv_layout.num_layers)]
+            assert seen == [(layer, table) for layer in range(p.kv.layout.num_layers)]
             assert len(table) == 3  # 40 tokens in blocks of 16
             blocks, stream = await d.import_request(
                 d.make_request(tokens, SAMPLED, request_id="a-d")
             )
-            for layer in range(p.kv_layout.num_layers):
-                d.write_kv_layer(layer, blocks, p.read_kv_layer(layer, table))
-            assert await p.release_kv("a") and not await p.release_kv("a")
-            await d.finish_import(
+            for layer in range(p.kv.layout.num_layers):
+                d.kv.write_layer(layer, blocks, p.kv.read_layer(layer, table))
+            assert await p.kv.release("a") and not await p.kv.release("a")
+            await d.kv.finish_import(
                 "a-d", next_token=outs[0].token_ids[0], sampler_snapshot=outs[-1].sampler_snapshot
             )
             rest = [t async for o in stream for t in o.token_ids]
             assert outs[0].token_ids + rest == expected
-            load = await p.load()
+            load = await p.kv.load()
             stored = prefix_hashes(tokens, 16, "", "m")[:2]
             assert (load.num_waiting, load.num_running) == (0, 0)
             assert load.kv_events == [KVEvent(KVEventKind.STORED, tuple(stored))]
-            assert (await p.load()).kv_events == []  # taken
-            resync = await p.load(resync=True)
+            assert (await p.kv.load()).kv_events == []  # taken
+            resync = await p.kv.load(resync=True)
             assert resync.kv_events[0] == KVEvent(KVEventKind.CLEARED)
             assert set(resync.kv_events[1].block_hashes) == set(stored)
             await p.check_idle()
@@ -341,9 +341,9 @@ def test_an_import_without_room_waits_in_arrival_order_until_room_frees(test_lla
             blocks, first = await d.import_request(
                 d.make_request(prompt(20), GREEDY, request_id="a")
             )
-            load = await d.load()
+            load = await d.kv.load()
             assert load.admitted == ["a"] and load.claimed_blocks == 2  # 20 + 12 tokens
-            assert (await d.load()).admitted == []  # taken
+            assert (await d.kv.load()).admitted == []  # taken
             b = asyncio.ensure_future(
                 d.import_request(d.make_request(prompt(5, 1), GREEDY, request_id="b"))
             )
@@ -364,20 +364,20 @@ def test_an_import_without_room_waits_in_arrival_order_until_room_frees(test_lla
             assert not (b.done() or c.done() or gone.done())  # parked: no slot
             gone.cancel()
             await asyncio.sleep(0.1)
-            assert (await d.load()).admitted == []  # nothing else admitted meanwhile
-            await d.finish_import("a", error="done with it")  # ends: its slot frees
+            assert (await d.kv.load()).admitted == []  # nothing else admitted meanwhile
+            await d.kv.finish_import("a", error="done with it")  # ends: its slot frees
             assert [o async for o in first][-1].finish_reason is FinishReason.ERROR
             b_blocks, b_stream = await b
             assert not c.done()  # one slot: c still waits behind b
-            await d.finish_import("b", next_token=prompt(1)[0])
+            await d.kv.finish_import("b", next_token=prompt(1)[0])
             b_outs = [o async for o in b_stream]
             assert len([t for o in b_outs for t in o.token_ids]) == GREEDY.max_tokens - 1
             assert b_outs[-1].finish_reason is FinishReason.MAX_TOKENS
             c_blocks, c_stream = await c
-            await d.finish_import("c", error="done")
+            await d.kv.finish_import("c", error="done")
             async for _ in c_stream:
                 pass
-            assert (await d.load()).admitted == ["b", "c"]
+            assert (await d.kv.load()).admitted == ["b", "c"]
             records = [r.request_id for r in d.records()]
             assert sorted(records) == ["a", "b", "c"]  # none for "late" or "gone"
             assert len(blocks) == 2 and len(b_blocks) == len(c_blocks) == 1
