@@ -39,10 +39,6 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
 
     @property
-    def num_batched_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
     def sampled_ids(self) -> list[str]:
         """Request ids that sample a token this step, in row order."""
         return [c.request_id for c in self.chunks if c.sample]

@@ -221,10 +221,6 @@ class HostBlockPool:
     def num_free(self) -> int:
         return len(self._free)
 
-    @property
-    def num_in_transfer(self) -> int:
-        return len(self._in_transfer)
-
     def allocate(self, n: int) -> list[int] | None:
         if n > len(self._free):
             return None

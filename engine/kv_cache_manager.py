@@ -68,17 +68,6 @@ def token_slice(request: Request, start: int, end: int) -> list[int]:
     return prompt[start:] + request.output_token_ids[: end - num_prompt]
 
 
-def check_kv_heads_divisible(num_kv_heads: int, tp_degree: int) -> int:
-    """KV heads per tensor-parallel rank (docs/design.md#kv-paging); ValueError unless it divides
-    exactly."""
-    if tp_degree < 1 or num_kv_heads < 1 or num_kv_heads % tp_degree != 0:
-        raise ValueError(
-            f"num_kv_heads={num_kv_heads} is not divisible by tp_degree={tp_degree}; "
-            "KV heads cannot be split across ranks unevenly"
-        )
-    return num_kv_heads // tp_degree
-
-
 @dataclass(frozen=True)
 class KVStats:
     """A snapshot for tests, metrics and the debug endpoint."""
@@ -175,9 +164,6 @@ class KVCacheManager:
     def reservable_tokens(self) -> int:
         """Largest ``num_tokens`` a reserve() for a new request id would accept now."""
         return max(0, self.pool.num_blocks - self._claims()) * self.block_size
-
-    def release_reservation(self, request_id: str) -> None:
-        self._reserved.pop(request_id, None)
 
     # -- prefix cache --
 

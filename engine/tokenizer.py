@@ -84,10 +84,6 @@ class Tokenizer:
         """Text of ``ids``; ids outside the vocabulary decode to nothing."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
-    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
-        """Vocabulary strings of ``ids`` (None for an id outside the vocabulary)."""
-        return [self._tok.id_to_token(i) for i in ids]
-
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 

@@ -476,11 +476,6 @@ def _start_sshd(host: Host, config: Path) -> None:
     (config.parent / f"host-{host.name}.pid").write_text(str(proc.pid))
 
 
-def host_pid(bed: Testbed, host: Host) -> int:
-    """The root-namespace pid that holds ``host``'s processes (see :func:`_start_sshd`)."""
-    return int((bed.state_dir / f"host-{host.name}.pid").read_text())
-
-
 def _sshd() -> str:
     return "/usr/sbin/sshd"
 

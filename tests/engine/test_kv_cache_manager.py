@@ -13,7 +13,6 @@ from engine.config import ModelConfig
 from engine.kv_cache_manager import (
     KVCacheManager,
     KVStats,
-    check_kv_heads_divisible,
     hash_block,
     prefix_hashes,
 )
@@ -67,17 +66,6 @@ def test_hash_block_depends_on_parent_tokens_and_extra_keys() -> None:
 def test_blocks_for_is_ceiling() -> None:
     kv = KVCacheManager(8, 4)
     assert [kv.blocks_for(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
-
-
-def test_check_kv_heads_divisible() -> None:
-    assert check_kv_heads_divisible(8, 4) == 2
-    assert check_kv_heads_divisible(2, 1) == 2
-    with pytest.raises(ValueError, match="num_kv_heads=2 is not divisible by tp_degree=4"):
-        check_kv_heads_divisible(2, 4)
-    with pytest.raises(ValueError, match="tp_degree=3"):
-        check_kv_heads_divisible(8, 3)
-    with pytest.raises(ValueError, match="tp_degree=0"):
-        check_kv_heads_divisible(8, 0)
 
 
 # -- the sizing figures (docs/design.md#kv-paging) --
@@ -453,7 +441,7 @@ def test_reservation_accounting() -> None:
     assert kv.reservable_tokens() == 0
     assert kv.reserve("a", 4)  # replacing a's reservation shrinks it
     assert kv.reservable_tokens() == 16
-    kv.release_reservation("a")
+    assert kv.free("a")  # a reservation alone: free drops it
     assert kv.stats().reserved_blocks == 5
     assert kv.stats().free_blocks == 10  # bookkeeping only: nothing physical moved
 
@@ -619,22 +607,14 @@ def test_fork_copies_table_and_hash_chain_not_aliases() -> None:
     kv.check_idle()
 
 
-def test_check_kv_heads_divisible_accepts_one_head_and_returns_an_int() -> None:
-    """One KV head on one rank is valid; the per-rank count is an int."""
-    assert check_kv_heads_divisible(1, 1) == 1
-    per_rank = check_kv_heads_divisible(6, 2)
-    assert per_rank == 3 and type(per_rank) is int
-    with pytest.raises(ValueError, match="num_kv_heads=0"):
-        check_kv_heads_divisible(0, 1)
-
-
-def test_release_reservation_of_an_unknown_request_is_a_no_op() -> None:
-    """Releasing a reservation that does not exist changes nothing and does not raise."""
+def test_freeing_an_unknown_request_keeps_the_reservations() -> None:
+    """Freeing a request that holds nothing changes nothing; freeing a reserved one drops its
+    reservation, once."""
     kv = KVCacheManager(4, 4)
     assert kv.reserve("a", 8)
-    kv.release_reservation("b")
+    assert not kv.free("b")
     assert kv.stats().reserved_blocks == 2
-    kv.release_reservation("a")
+    assert kv.free("a") and not kv.free("a")
     kv.check_idle()
 
 

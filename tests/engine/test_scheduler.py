@@ -31,6 +31,11 @@ def position_runner(req: Request) -> int:
     return 100 + req.num_tokens
 
 
+def batched_tokens(out: SchedulerOutput) -> int:
+    """Tokens the step's forward runs (its chunks' together)."""
+    return sum(len(c.token_ids) for c in out.chunks)
+
+
 class Clock:
     def __init__(self) -> None:
         self.t = 0.0
@@ -96,7 +101,7 @@ class Harness:
     def check(self, out: SchedulerOutput) -> None:
         """Limits hold and every chunk is exactly the next uncomputed tokens of its request."""
         assert len(out.chunks) <= self.config.max_num_seqs
-        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert batched_tokens(out) <= self.config.max_num_batched_tokens
         assert len({c.request_id for c in out.chunks}) == len(out.chunks)
         for c in out.chunks:
             req = self.reqs[c.request_id]
@@ -202,7 +207,7 @@ def chunked_prefill_trace(chunked: bool) -> tuple[float, float]:
     def timed_step() -> None:
         out = h.sched.schedule()
         h.check(out)
-        h.clock.t += math.ceil(out.num_batched_tokens / 4)  # the step ends: tokens emit now
+        h.clock.t += math.ceil(batched_tokens(out) / 4)  # the step ends: tokens emit now
         sampled = {rid: position_runner(h.reqs[rid]) for rid in out.sampled_ids}
         for req in h.sched.update_from_output(out, sampled):
             req.times.emits.append(h.clock.t)

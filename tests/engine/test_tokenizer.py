@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,13 @@ SETTINGS = settings(
 TEXT = st.text(
     alphabet=st.characters(exclude_characters="<", exclude_categories=["Cs"]), max_size=30
 )
+
+
+def tokens_of(tok: Tokenizer, ids: Iterable[int]) -> list[str | None]:
+    """Vocabulary strings of ``ids`` (None for an id outside the vocabulary)."""
+    return [tok.id_to_token(i) for i in ids]
+
+
 CHAT = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Hi there"},
@@ -30,7 +38,7 @@ def test_demo_ids_and_vocab_size_match_the_model(demo_tok: Tokenizer, test_llama
     config = json.loads((test_llama / "config.json").read_text())
     assert demo_tok.vocab_size == config["vocab_size"] == 2048
     # Every id decodes to a vocabulary string: a random model may sample any of them.
-    tokens = demo_tok.convert_ids_to_tokens(range(demo_tok.vocab_size))
+    tokens = tokens_of(demo_tok, range(demo_tok.vocab_size))
     assert None not in tokens and len(set(tokens)) == 2048
     assert tokens[:7] == list(SPECIAL_TOKENS) and tokens[7:263] == list(BYTE_TOKENS)
     assert demo_tok.special_token_ids == frozenset(range(7))
@@ -41,7 +49,7 @@ def test_demo_ids_and_vocab_size_match_the_model(demo_tok: Tokenizer, test_llama
 
 def test_demo_encode_words_bytes_and_bos(demo_tok: Tokenizer) -> None:
     ids = demo_tok.encode("the server 日")
-    assert demo_tok.convert_ids_to_tokens(ids) == [
+    assert tokens_of(demo_tok, ids) == [
         "<s>", "▁the", "▁server", "▁", "<0xE6>", "<0x97>", "<0xA5>"
     ]  # fmt: skip
     assert demo_tok.encode("the server 日", add_special_tokens=False) == ids[1:]
@@ -149,7 +157,7 @@ def test_missing_tokenizer_json_names_the_path(tmp_path: Path) -> None:
 def test_ids_outside_the_vocabulary_decode_to_nothing(demo_tok: Tokenizer) -> None:
     ids = demo_tok.encode("the", add_special_tokens=False)
     assert demo_tok.decode([*ids, demo_tok.vocab_size, 10**6]) == "the"
-    assert demo_tok.convert_ids_to_tokens([demo_tok.vocab_size]) == [None]
+    assert tokens_of(demo_tok, [demo_tok.vocab_size]) == [None]
 
 
 # -- token bytes -----------------------------------------------------------------------------------
