@@ -158,6 +158,44 @@ def percentiles(samples_ns: list[int]) -> dict[str, float]:
     }
 
 
+def time_choices(
+    rng: random.Random,
+    workers: list[WorkerState],
+    index: PrefixIndex,
+    weights: RouterConfig,
+    requests: list[tuple[str, RouteRequest]],
+    timings: dict[str, list[int]],
+) -> Counter[str]:
+    """Route every request, timing each choice (wall and CPU) and its log line into
+    ``timings``; the chosen workers' loads grow and drift as a live cluster's would. Returns
+    how many decisions took each mode."""
+    by_name = {w.name: w for w in workers}
+    modes: Counter[str] = Counter()
+    for i, (kind, request) in enumerate(
+        tqdm(requests, desc="choose", file=sys.stderr, leave=False, mininterval=5)
+    ):
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter_ns()
+        decision = choose(request, workers, index, weights)
+        t1 = time.perf_counter_ns()
+        c1 = time.thread_time_ns()
+        decision.log_line()
+        t2 = time.perf_counter_ns()
+        timings.setdefault(f"choose {kind}", []).append(t1 - t0)
+        timings.setdefault("choose (all)", []).append(t1 - t0)
+        timings.setdefault("choose CPU time", []).append(c1 - c0)
+        timings.setdefault("log_line", []).append(t2 - t1)
+        modes[decision.mode.value] += 1
+        if decision.prefill is not None:
+            p = by_name[decision.prefill]
+            p.report = replace(p.report, queue_depth=p.report.queue_depth + 1)
+        d = by_name[decision.decode]
+        d.report = replace(d.report, num_running=d.report.num_running + 1)
+        if i % 64 == 63:
+            drift(rng, workers)
+    return modes
+
+
 def run(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
     workers = make_workers(32)
@@ -186,30 +224,7 @@ def run(args: argparse.Namespace) -> dict:
     requests = make_requests(rng, prefixes, workers, args.choices)
     for w in rng.sample(workers, 2):
         w.healthy = False
-    by_name = {w.name: w for w in workers}
-    modes: Counter[str] = Counter()
-    for i, (kind, request) in enumerate(
-        tqdm(requests, desc="choose", file=sys.stderr, leave=False, mininterval=5)
-    ):
-        c0 = time.thread_time_ns()
-        t0 = time.perf_counter_ns()
-        decision = choose(request, workers, index, weights)
-        t1 = time.perf_counter_ns()
-        c1 = time.thread_time_ns()
-        decision.log_line()
-        t2 = time.perf_counter_ns()
-        timings.setdefault(f"choose {kind}", []).append(t1 - t0)
-        timings.setdefault("choose (all)", []).append(t1 - t0)
-        timings.setdefault("choose CPU time", []).append(c1 - c0)
-        timings.setdefault("log_line", []).append(t2 - t1)
-        modes[decision.mode.value] += 1
-        if decision.prefill is not None:
-            p = by_name[decision.prefill]
-            p.report = replace(p.report, queue_depth=p.report.queue_depth + 1)
-        d = by_name[decision.decode]
-        d.report = replace(d.report, num_running=d.report.num_running + 1)
-        if i % 64 == 63:
-            drift(rng, workers)
+    modes = time_choices(rng, workers, index, weights, requests, timings)
 
     removed = timings.setdefault("index REMOVED", [])
     for prefix, names in zip(prefixes[: len(prefixes) // 2], where, strict=False):

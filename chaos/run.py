@@ -24,7 +24,7 @@ from chaos import verdict as v
 from chaos.inject import FaultEvent, InjectError, Injector, Worker
 from chaos.injections import INJECTIONS
 from chaos.load import Outcome, Planned, Sender, schedule
-from chaos.plan import ChaosPlan, Churn, Fault
+from chaos.plan import ChaosPlan, Checks, Churn, Fault
 from chaos.probe import metric
 from chaos.reference import Expected, expected, reference_engine
 from contracts.actors import RouterClient, WorkerClient
@@ -336,33 +336,15 @@ class ChaosRun:
         c = self.plan.checks
         hung = sum(r["status"] == "hung" for r in rows)
         mismatched = sum(r["mismatch"] is not None for r in rows)
-        # A stream the killed ingress was serving, or a request it could not take, ends with the
-        # connection: nothing was left to type its error.
-        untyped = sum(
-            r["status"] == "error"
-            and r["error_type"] is None
-            and not any(t.startswith("kill_ingress#") for t in r["touched"])
-            for r in rows
-        )
+        untyped = _untyped(rows)
         judged = [r for r in rows if not r["planned_cancel"] and not r["storm"]]
         clean = [r for r in judged if not r["touched"]]
         clean_ok = sum(r["status"] == "ok" for r in clean)
         success = clean_ok / len(clean) if clean else 1.0
         heartbeat = self.topology.heartbeat_timeout_s
-        late = []
-        for f in faults:
-            limit = {
-                "hang_worker": heartbeat + c.max_detect_hang_margin_s,
-                "partition_host": heartbeat + c.max_detect_hang_margin_s,
-            }.get(f.kind, c.max_detect_kill_s if f.kind in v.KILLS else None)
-            if limit is not None and (f.detect_s is None or f.detect_s > limit):
-                late.append(f"{f.kind} {' '.join(f.workers)}: {f.detect_s}")
+        late = _late_detections(faults, c, heartbeat)
         worst = max((f.detect_s for f in faults if f.detect_s is not None), default=0.0)
-        repeated = sum(
-            n > 1
-            for rows_ in records.values()
-            for n in Counter(r["request_id"] for r in rows_).values()
-        )
+        repeated = _repeated(records)
         checks = [
             v.Check("no request hung", hung <= c.max_hung, f"{hung} hung", f"<= {c.max_hung}"),
             v.Check(
@@ -411,31 +393,69 @@ class ChaosRun:
                 "all",
             ),
         ]
-        before, after = requests_total
-        if (
-            before is not None
-            and after is not None
-            and not any(
-                e.kind == "kill_ingress"
-                for e in events  # its counters died with it
+        return checks + _optional_checks(c, plan, outcomes, faults, events, requests_total)
+
+
+def _late_detections(faults: list[v.FaultRow], c: Checks, heartbeat_s: float) -> list[str]:
+    """The faults not detected within their limit: a killed process's, or a hang's (the
+    heartbeat timeout and a margin)."""
+    hang_limit = heartbeat_s + c.max_detect_hang_margin_s
+    late = []
+    for f in faults:
+        limit = {"hang_worker": hang_limit, "partition_host": hang_limit}.get(
+            f.kind, c.max_detect_kill_s if f.kind in v.KILLS else None
+        )
+        if limit is not None and (f.detect_s is None or f.detect_s > limit):
+            late.append(f"{f.kind} {' '.join(f.workers)}: {f.detect_s}")
+    return late
+
+
+def _untyped(rows: list[dict[str, Any]]) -> int:
+    """Errors without a type. A stream the killed ingress was serving, or a request it could
+    not take, ends with the connection: nothing was left to type its error."""
+    return sum(
+        r["status"] == "error"
+        and r["error_type"] is None
+        and not any(t.startswith("kill_ingress#") for t in r["touched"])
+        for r in rows
+    )
+
+
+def _repeated(records: dict[str, list[dict[str, Any]]]) -> int:
+    """Attempts with more than one terminal record on one worker."""
+    return sum(
+        n > 1 for rows in records.values() for n in Counter(r["request_id"] for r in rows).values()
+    )
+
+
+def _optional_checks(
+    c: Checks,
+    plan: list[Planned],
+    outcomes: list[Outcome],
+    faults: list[v.FaultRow],
+    events: list[FaultEvent],
+    requests_total: tuple[float | None, float | None],
+) -> list[v.Check]:
+    """The checks a run makes only when it can: the ingress's records (unless a fault
+    killed it, and its counters with it), and recovery (when the plan bounds it)."""
+    checks = []
+    before, after = requests_total
+    ingress_killed = any(e.kind == "kill_ingress" for e in events)
+    if before is not None and after is not None and not ingress_killed:
+        sent = sum(p.body.get("n", 1) for p, o in zip(plan, outcomes, strict=True) if o.sent)
+        checks.append(
+            v.Check(
+                "one client record per choice sent (ingress)",
+                after - before == sent,
+                f"{after - before:.0f} records for {sent} choices",
+                "equal",
             )
-        ):
-            sent = sum(p.body.get("n", 1) for p, o in zip(plan, outcomes, strict=True) if o.sent)
-            checks.append(
-                v.Check(
-                    "one client record per choice sent (ingress)",
-                    after - before == sent,
-                    f"{after - before:.0f} records for {sent} choices",
-                    "equal",
-                )
-            )
-        if c.max_recovery_s is not None:
-            times = [f.recovery_s for f in faults]
-            ok = all(t is not None and t <= c.max_recovery_s for t in times)
-            checks.append(
-                v.Check("recovered in time", ok, str(times), f"<= {c.max_recovery_s:g} s")
-            )
-        return checks
+        )
+    if c.max_recovery_s is not None:
+        times = [f.recovery_s for f in faults]
+        ok = all(t is not None and t <= c.max_recovery_s for t in times)
+        checks.append(v.Check("recovered in time", ok, str(times), f"<= {c.max_recovery_s:g} s"))
+    return checks
 
 
 async def _ask(ref: Any, default: Any, timeout_s: float = 10.0) -> Any:
