@@ -7,8 +7,7 @@ Pipeline (docs/design.md#sampling-order), each step skipped for rows that leave 
 Steps 1–2 live in :mod:`engine.logits_processors`. ``temperature == 0`` is its own greedy branch
 (argmax, lowest token id wins a tie) and never divides by zero. Each truncation filter
 renormalises what it keeps, so the next filter sees a distribution (top-k then top-p differs from
-top-p then top-k, docs/design.md#sampling-order). Every filter is also a pure function over one 1-D
-distribution (``top_p_filter`` ...) that runs the same batched code on a batch of one.
+top-p then top-k, docs/design.md#sampling-order).
 
 Randomness is counter-based (docs/design.md#sampling-seeds): the token at output position i of
 choice c of a request with seed s is drawn by inverse CDF with ``uniform(s, c, i)``, a pure
@@ -95,56 +94,6 @@ def _tempered_probs(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
     """softmax(z / T) per row, T > 0; subtracting the row max first keeps tiny T finite."""
     temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
     return torch.softmax((logits - logits.amax(-1, keepdim=True)) / temps, dim=-1)
-
-
-# -- the same filters over a single 1-D distribution (docs/design.md#sampling-order)
-# ---------------------
-
-
-def temperature_probs(logits: Tensor, temperature: float) -> Tensor:
-    """softmax(z / T) of a 1-D logits tensor. Raises ValueError for T <= 0 (greedy is argmax)."""
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature!r}: softmax(z / T) is defined only for T > 0")
-    return _tempered_probs(_one_row(logits), [temperature])[0]
-
-
-def greedy_token(logits: Tensor) -> int:
-    """argmax of a 1-D logits tensor; the lowest id wins a tie."""
-    return int(_one_row(logits).argmax(-1))
-
-
-def top_k_filter(probs: Tensor, k: int) -> Tensor:
-    """Renormalised top-k of a 1-D distribution. Raises ValueError for k < 1."""
-    if k < 1:
-        raise ValueError(f"k={k}: top-k needs k >= 1")
-    return _filter_one(top_k_mask, probs, k)
-
-
-def top_p_filter(probs: Tensor, p: float) -> Tensor:
-    """Renormalised top-p (nucleus) of a 1-D distribution, p in (0, 1]."""
-    return _filter_one(top_p_mask, probs, p)
-
-
-def min_p_filter(probs: Tensor, alpha: float) -> Tensor:
-    """Renormalised min-p of a 1-D distribution, alpha in [0, 1]."""
-    return _filter_one(min_p_mask, probs, alpha)
-
-
-def typical_filter(probs: Tensor, mass: float) -> Tensor:
-    """Renormalised typical-p of a 1-D distribution, mass in (0, 1]."""
-    return _filter_one(typical_mask, probs, mass)
-
-
-def _one_row(values: Tensor) -> Tensor:
-    if values.dim() != 1:
-        raise ValueError(f"expected a 1-D tensor, got shape {tuple(values.shape)}")
-    return values[None]
-
-
-def _filter_one(mask: MaskFn, probs: Tensor, value: float) -> Tensor:
-    row = _one_row(probs)
-    row = row / row.sum(-1, keepdim=True)
-    return _renormalise(row, mask(row, [value]))[0]
 
 
 # -- per-sequence state ---------------------------------------------------------------------------

@@ -1,14 +1,26 @@
-"""Helpers shared by test modules: the engine-level assertions, schema-driven API bodies."""
+"""Helpers shared by test modules: the engine-level assertions, the sampler's filters over one
+distribution (a test oracle), the router's view of a worker, schema-driven API bodies."""
 
 from __future__ import annotations
 
 from dataclasses import fields, replace
 from typing import Any
 
+from torch import Tensor
+
 from contracts.messages import WorkerInfo, WorkerLoad
 from contracts.roles import Role
 from contracts.routing import WorkerState
 from engine.engine import LLMEngine
+from engine.sampler import (
+    MaskFn,
+    _renormalise,
+    _tempered_probs,
+    min_p_mask,
+    top_k_mask,
+    top_p_mask,
+    typical_mask,
+)
 
 _INFO_FIELDS = {f.name for f in fields(WorkerInfo)}
 _LOAD_FIELDS = {f.name for f in fields(WorkerLoad)}
@@ -21,6 +33,57 @@ def assert_engine_clean(engine: LLMEngine) -> None:
     assert not engine.has_unfinished()
     ids = [r.request_id for r in engine.scheduler.records]
     assert len(ids) == len(set(ids))
+
+
+# -- the sampler's filters over one 1-D distribution: the batched code on a batch of one, which
+# the tests check against exact references and the batched sampler against
+# (docs/design.md#sampling-order).
+
+
+def temperature_probs(logits: Tensor, temperature: float) -> Tensor:
+    """softmax(z / T) of a 1-D logits tensor. Raises ValueError for T <= 0 (greedy is argmax)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature!r}: softmax(z / T) is defined only for T > 0")
+    return _tempered_probs(_one_row(logits), [temperature])[0]
+
+
+def greedy_token(logits: Tensor) -> int:
+    """argmax of a 1-D logits tensor; the lowest id wins a tie."""
+    return int(_one_row(logits).argmax(-1))
+
+
+def top_k_filter(probs: Tensor, k: int) -> Tensor:
+    """Renormalised top-k of a 1-D distribution. Raises ValueError for k < 1."""
+    if k < 1:
+        raise ValueError(f"k={k}: top-k needs k >= 1")
+    return _filter_one(top_k_mask, probs, k)
+
+
+def top_p_filter(probs: Tensor, p: float) -> Tensor:
+    """Renormalised top-p (nucleus) of a 1-D distribution, p in (0, 1]."""
+    return _filter_one(top_p_mask, probs, p)
+
+
+def min_p_filter(probs: Tensor, alpha: float) -> Tensor:
+    """Renormalised min-p of a 1-D distribution, alpha in [0, 1]."""
+    return _filter_one(min_p_mask, probs, alpha)
+
+
+def typical_filter(probs: Tensor, mass: float) -> Tensor:
+    """Renormalised typical-p of a 1-D distribution, mass in (0, 1]."""
+    return _filter_one(typical_mask, probs, mass)
+
+
+def _one_row(values: Tensor) -> Tensor:
+    if values.dim() != 1:
+        raise ValueError(f"expected a 1-D tensor, got shape {tuple(values.shape)}")
+    return values[None]
+
+
+def _filter_one(mask: MaskFn, probs: Tensor, value: float) -> Tensor:
+    row = _one_row(probs)
+    row = row / row.sum(-1, keepdim=True)
+    return _renormalise(row, mask(row, [value]))[0]
 
 
 def worker_state(

@@ -10,6 +10,14 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 import xxhash
+from helpers import (
+    greedy_token,
+    min_p_filter,
+    temperature_probs,
+    top_k_filter,
+    top_p_filter,
+    typical_filter,
+)
 
 from engine.logits_processors import TokenHistory, process_logits
 from engine.request import Request
@@ -19,15 +27,9 @@ from engine.sampler import (
     SamplingSnapshot,
     SamplingState,
     _draw,
-    greedy_token,
-    min_p_filter,
     min_p_mask,
-    temperature_probs,
-    top_k_filter,
     top_k_mask,
-    top_p_filter,
     top_p_mask,
-    typical_filter,
     typical_mask,
     uniform,
 )

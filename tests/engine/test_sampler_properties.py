@@ -11,18 +11,20 @@ from __future__ import annotations
 from fractions import Fraction
 
 import torch
-from hypothesis import assume, given, settings
-from hypothesis import strategies as st
-
-from engine.sampler import (
-    Sampler,
-    SamplingState,
+from helpers import (
     greedy_token,
     min_p_filter,
     temperature_probs,
     top_k_filter,
     top_p_filter,
     typical_filter,
+)
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from engine.sampler import (
+    Sampler,
+    SamplingState,
 )
 from engine.sampling_params import SamplingParams
 
