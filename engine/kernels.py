@@ -127,10 +127,9 @@ def pack_linear(weight: Tensor, pairs: bool) -> Tensor:
 
 
 def invariant_linear(x: Tensor, packed: Tensor, n: int, bias: Tensor | None, pairs: bool) -> Tensor:
-    """``x W^T + b`` with ``W`` ``[n, K]`` packed by :func:`pack_linear` (``pairs`` as packed);
-    ``x`` ``[M, K]``, the output in its dtype. Each output element is reduced over K in one
-    order whatever M is. In the columns layout a bf16 weight's fp32 copy gives the same bits as
-    its bf16 panels (widening is exact)."""
+    """``x W^T + b`` with ``W`` ``[n, K]`` packed by :func:`pack_linear` (``pairs`` as packed,
+    of ``x``'s dtype); ``x`` ``[M, K]``, the output in its dtype. Each output element is reduced
+    over K in one order whatever M is."""
     out: Tensor = _invariant().invariant_linear(x, packed, n, bias, pairs)
     return out
 

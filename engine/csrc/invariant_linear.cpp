@@ -8,11 +8,10 @@
 // layouts:
 // * pairs (bf16, CPUs with AVX512-BF16): panels of 64 columns, K in pairs ([K/2][64][2]); one
 //   vdpbf16ps per 16 columns and k pair adds the pair's two products to the fp32 accumulator.
-// * columns (AVX2 FMA): panels of 16 columns ([K][16]); one FMA per k. bf16 panels keep columns
-//   c and c+8 side by side, so one load widens to two fp32 vectors by a shift and a mask; fp32
-//   panels hold them in order. Widening bf16 is exact, so a bf16 weight's fp32 copy gives the
-//   same bits -- the caller takes the bf16 panels for a few rows (half the bytes to stream) and
-//   the fp32 copy for many (no widening in the inner loop, twice the FMA rate).
+// * columns (AVX2 FMA): panels of 16 columns ([K][16]); one FMA per k, x widened to fp32. bf16
+//   panels keep columns c and c+8 side by side, so one load widens to two fp32 vectors by a
+//   shift and a mask; fp32 panels (an fp32 model's) hold them in order.
+// x and the weight share a dtype (the model's).
 // A microkernel keeps MR rows x one panel of accumulators in registers over the whole K; the
 // result gets the bias in fp32 and is rounded once to the output dtype.
 
@@ -222,18 +221,16 @@ torch::Tensor pack_linear(torch::Tensor weight, bool pairs) {
   return packed;
 }
 
-// x [M, K] (bf16 or fp32), panels from pack_linear(weight [n, K], pairs), optional bias [n]
-// -> y [M, n] in x's dtype. The columns layout takes a bf16 x with fp32 panels too (a bf16
-// weight's widened copy): the same bits as its bf16 panels.
+// x [M, K] (bf16 or fp32), panels from pack_linear(weight [n, K], pairs) of x's dtype, optional
+// bias [n] -> y [M, n] in x's dtype.
 torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
                                c10::optional<torch::Tensor> bias, bool pairs) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "invariant_linear: CPU x [M, K]");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
-  const bool bf16_weight = packed.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "invariant_linear: float32 or bfloat16 x");
-  TORCH_CHECK(bf16_weight || packed.scalar_type() == at::kFloat,
-              "invariant_linear: float32 or bfloat16 weight");
-  TORCH_CHECK(!pairs || (bf16 && bf16_weight && cpu_has_bf16_pairs()),
+  TORCH_CHECK(packed.scalar_type() == x.scalar_type(),
+              "invariant_linear: x and the packed weight must share a dtype");
+  TORCH_CHECK(!pairs || (bf16 && cpu_has_bf16_pairs()),
               "invariant_linear: the pairs layout needs bf16 x and weight on an AVX512-BF16 CPU");
   const int64_t m = x.size(0), k = x.size(1), kp = packed_k(pairs, k);
   const int64_t width = panel_width(pairs), panels = (n + width - 1) / width;
@@ -271,7 +268,7 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
         const float* bias_cols = bp != nullptr ? bp + n0 : nullptr;
         for (int64_t r0 = b0; r0 < b1; r0 += kMR) {
           const int64_t rows = std::min(kMR, b1 - r0);
-          run_rows(rows, pairs, bf16_weight, xp + r0 * kp * elem, kp, wp + p * panel_bytes, kp,
+          run_rows(rows, pairs, bf16, xp + r0 * kp * elem, kp, wp + p * panel_bytes, kp,
                    tile.data());
           for (int64_t r = 0; r < rows; ++r) {
             const float* t = tile.data() + r * width;

@@ -84,15 +84,17 @@ def test_invariant_linear_rows_do_not_depend_on_the_batch(
     j = (seed // 7) % m
     lo, hi = min(i, j), max(i, j) + 1
     assert torch.equal(kernels.invariant_linear(x[lo:hi], packed, n, b, pairs), full[lo:hi])
-    if dtype == torch.bfloat16 and not pairs:
-        # A bf16 weight's widened copy in the columns layout: the same bits (widening is exact).
-        wide = kernels.pack_linear(w.float(), False)
-        assert torch.equal(kernels.invariant_linear(x, wide, n, b, False), full)
 
 
 def test_the_pairs_layout_is_refused_where_it_cannot_run() -> None:
     with pytest.raises(RuntimeError, match="pairs layout needs bf16"):
         kernels.pack_linear(torch.zeros(4, 4), True)
+
+
+def test_x_and_the_weight_of_two_dtypes_are_refused() -> None:
+    packed = kernels.pack_linear(torch.zeros(4, 16), False)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernels.invariant_linear(torch.zeros(2, 16, dtype=torch.bfloat16), packed, 4, None, False)
 
 
 # -- the model runner: KV and logits, whatever wrote them -----------------------------------------
