@@ -1,13 +1,15 @@
-"""The coordinator's end of the workers' token streams: one stream per worker
-(``WorkerAPI.subscribe``), demultiplexed into one :class:`Inbox` per attempt.
+"""Both ends of the token stream from a worker to a coordinator (``WorkerAPI.subscribe``): one
+stream per (worker, coordinator), not one per attempt. The worker's end is an :class:`Outbox` per
+coordinator, where each attempt's deltas merge until the stream takes them; the coordinator's end
+is a :class:`Hub` per worker, which demultiplexes them into one :class:`Inbox` per attempt.
 
 ::
 
-    worker  ── one Ray message per engine step: [(attempt, [batch, error?]), ...] ──>  Hub
-                                                                                        │
-                           Inbox(attempt a)   Inbox(attempt b)   ...  <── demultiplexed ┘
+    worker       attempts ──> Outbox ── one Ray message per wake-up ──┐
+                                [(attempt, [delta, error?]), ...]       │
+    coordinator  Inbox(attempt a)   Inbox(attempt b)   ...   <── Hub ───┘ (demultiplexes)
 
-One message per step instead of one per token per request: at batch 64 the per-token way
+One message per engine step instead of one per token per request: at batch 64 the per-token way
 spends more CPU in Ray than the engine spends computing (docs/benchmarks.md#served-path).
 
 Flow control per attempt: an inbox holding ``PAUSE_AT`` undelivered batches asks its worker to
@@ -33,6 +35,34 @@ from engine.outputs import TokenDelta
 logger = logging.getLogger(__name__)
 PAUSE_AT = 8  # undelivered batches of one attempt before its worker is asked to pause it
 RESUME_AT = 2
+
+
+# -- the worker's end ---------------------------------------------------------------------------
+
+
+class Outbox:
+    """What one coordinator has not received yet: per attempt, its batches merged into one,
+    then the exception that ended it there, if any."""
+
+    def __init__(self) -> None:
+        self.pending: dict[str, list[TokenDelta | Exception]] = {}
+        self.ready = asyncio.Event()
+
+    def put(self, attempt_id: str, item: TokenDelta | Exception) -> None:
+        items = self.pending.setdefault(attempt_id, [])
+        if items and isinstance(item, TokenDelta) and isinstance(items[-1], TokenDelta):
+            items[-1] = items[-1].then(item)
+        else:
+            items.append(item)
+        self.ready.set()
+
+    def take(self) -> list[Delivery]:
+        taken, self.pending = self.pending, {}
+        self.ready.clear()
+        return list(taken.items())
+
+
+# -- the coordinator's end ----------------------------------------------------------------------
 
 
 class Inbox:

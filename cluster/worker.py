@@ -12,12 +12,11 @@ Reports: after every change a worker pushes its load and the prefix-cache events
 report to the router actor (``RouterActor.report``), at most every ``report_interval_s``; the
 router treats a worker silent for longer than its heartbeat timeout as FAILED.
 
-Tokens go back over one stream per coordinator (``subscribe``), not one per attempt: an engine
-step makes one token for each of its requests, and a Ray message each would cost more CPU than
-the step itself (docs/benchmarks.md#served-path). A coordinator starts attempts here with
-``start_generate`` / ``start_decode``; each runs as a task that puts its batches in the
-coordinator's :class:`Outbox`, where an attempt's batches merge until the stream takes them
-(one message per wake-up carries every attempt's news). ``stop`` cancels an attempt (its KV is
+Tokens go back over one stream per coordinator (``subscribe``; both of its ends are
+``cluster.token_stream``). A coordinator starts attempts here with ``start_generate`` /
+``start_decode``; each runs as a task that puts its batches in the coordinator's
+:class:`~cluster.token_stream.Outbox`, where an attempt's batches merge until the stream takes
+them (one message per wake-up carries every attempt's news). ``stop`` cancels an attempt (its KV is
 freed within a tick); ``pace`` pauses one whose client reads slowly (the engine then fills its
 bounded buffer and pauses the request, BACKPRESSURED). A coordinator whose stream ends (it
 closed it, or its process died) has its attempts here cancelled.
@@ -37,6 +36,7 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError
 
+from cluster.token_stream import Outbox
 from contracts import liveness
 from contracts.actors import RouterClient, WorkerAPI
 from contracts.faults import FaultPlan, FaultPoint
@@ -54,28 +54,6 @@ logger = logging.getLogger(__name__)
 # heartbeats (see EngineWorker._report_loop).
 ENGINE_SILENCE_S = 60.0
 LIVENESS_RETRY_S = 0.5  # after the liveness connection ends, connect again this soon
-
-
-class Outbox:
-    """What one coordinator has not received yet: per attempt, its batches merged into one,
-    then the exception that ended it there, if any."""
-
-    def __init__(self) -> None:
-        self.pending: dict[str, list[TokenDelta | Exception]] = {}
-        self.ready = asyncio.Event()
-
-    def put(self, attempt_id: str, item: TokenDelta | Exception) -> None:
-        items = self.pending.setdefault(attempt_id, [])
-        if items and isinstance(item, TokenDelta) and isinstance(items[-1], TokenDelta):
-            items[-1] = items[-1].then(item)
-        else:
-            items.append(item)
-        self.ready.set()
-
-    def take(self) -> list[Delivery]:
-        taken, self.pending = self.pending, {}
-        self.ready.clear()
-        return list(taken.items())
 
 
 class _Served:

@@ -11,7 +11,7 @@ import pytest
 from helpers import assert_engine_clean
 
 from cluster.client_stream import AttemptFailed, ClientStream
-from cluster.worker import Outbox
+from cluster.token_stream import Outbox
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import TokenDelta

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.token_stream import PAUSE_AT, RESUME_AT, Inbox
-from cluster.worker import EngineWorker, Outbox
+from cluster.token_stream import PAUSE_AT, RESUME_AT, Inbox, Outbox
+from cluster.worker import EngineWorker
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import TokenDelta, TokenLogprobs
