@@ -1,7 +1,19 @@
-"""The ``tandem`` command line: ``demo-model``, ``generate`` (one engine, in process),
-``serve`` (the OpenAI API of a cluster on Ray Serve: tandem/serve.py), ``status`` and
-``testbed``; packages above this one add theirs through the ``tandem.commands`` entry point
-(``chaos``). Heavy imports happen inside the commands, so ``tandem --help`` is quick."""
+"""The ``tandem`` command line:
+
+* ``demo-model`` -- write a deterministic demo checkpoint (Llama, Qwen2 or Mistral, with its
+  tokenizer);
+* ``generate`` -- one prompt through one engine in this process (no Ray; the demo model unless
+  ``--model``);
+* ``serve`` -- start a cluster and serve its OpenAI API on Ray Serve until Ctrl-C
+  (tandem/serve.py);
+* ``status`` -- a running server's view of its workers (``GET /v1/cluster``) as a table;
+* ``testbed up`` / ``testbed down`` -- hosts in network namespaces on this machine
+  (tandem/testbed.py; root);
+* ``chaos run`` / ``chaos plans`` -- added by the ``chaos`` package through the
+  ``tandem.commands`` entry point (pyproject.toml): this package imports nothing above it
+  (docs/design.md#layers).
+
+Heavy imports happen inside the commands, so ``tandem --help`` is quick."""
 
 from __future__ import annotations
 
@@ -115,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser(
-        "demo-model", help="write a deterministic demo checkpoint (Llama + tokenizer)"
+        "demo-model", help="write a deterministic demo checkpoint (model + tokenizer)"
     )
     d.add_argument("--size", choices=["test", "tiny", "small"], default="tiny")
     d.add_argument("--arch", choices=["llama", "qwen2", "mistral"], default="llama")
