@@ -202,6 +202,17 @@ def byte_level_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture
+def torch_threads() -> Iterator[None]:
+    """A worker built in this process sets torch's threads (EngineConfig.num_threads): put
+    them back for the tests after."""
+    import torch
+
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def demo_tok(test_llama: Path) -> Tokenizer:
     """The demo (SentencePiece-style, byte fallback) tokenizer."""

@@ -3,6 +3,9 @@ distribution (a test oracle), the router's view of a worker, schema-driven API b
 
 from __future__ import annotations
 
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import fields, replace
 from typing import Any
 
@@ -11,7 +14,9 @@ from torch import Tensor
 from contracts.messages import WorkerInfo, WorkerLoad
 from contracts.roles import Role
 from contracts.routing import WorkerState
+from engine.block_pool import KVInvariantError
 from engine.engine import LLMEngine
+from engine.kv_cache_manager import KVStats
 from engine.sampler import (
     MaskFn,
     _renormalise,
@@ -24,6 +29,22 @@ from engine.sampler import (
 
 _INFO_FIELDS = {f.name for f in fields(WorkerInfo)}
 _LOAD_FIELDS = {f.name for f in fields(WorkerLoad)}
+
+
+async def eventually_idle(
+    check_idle: Callable[[], Awaitable[KVStats]], timeout_s: float = 10.0
+) -> KVStats:
+    """A worker's leak check (``check_idle``) once it passes, within ``timeout_s``: a lease's
+    release reaches the engine a little after the transfer that ended it (it is posted from
+    the KV server's thread). A leak still there at the timeout raises KVInvariantError."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return await check_idle()
+        except KVInvariantError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.05)
 
 
 def assert_engine_clean(engine: LLMEngine) -> None:

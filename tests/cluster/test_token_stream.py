@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from cluster.token_stream import PAUSE_AT, RESUME_AT, Inbox, Outbox
 from cluster.worker import EngineWorker
@@ -82,15 +80,6 @@ def test_an_inbox_paces_its_attempt_and_keeps_its_error() -> None:
                 await (waiter if not waiter.done() else inbox.get())
 
     asyncio.run(asyncio.wait_for(body(), 10))
-
-
-@pytest.fixture
-def torch_threads() -> Iterator[None]:
-    """A worker built in this process sets torch's threads (EngineConfig.num_threads): put
-    them back for the tests after."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def attempt(rid: str, prompt: list[int], params: SamplingParams = GREEDY) -> EngineRequest:

@@ -1,0 +1,128 @@
+"""The decode worker's logic, driven directly (no Ray): it continues an attempt a prefill worker
+in the same process computed (its KV pulled over gRPC on loopback, the first token handed off)
+with exactly the offline engine's tokens and acks the pull; a pull from a dead address fails
+the attempt with KVPullFailed naming the worker it came from. Every pool ends at baseline."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncGenerator, Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from helpers import eventually_idle
+
+from cluster.worker import EngineWorker
+from contracts.messages import Delivery, KVPullFailed, KVSource
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.engine import LLMEngine
+from engine.outputs import TokenDelta
+from engine.request import EngineRequest, FinishReason, RequestStatus
+from engine.sampling_params import SamplingParams
+from kv_transfer.exporter import ReleaseReason
+from prefill_worker.worker import PrefillWorker
+
+pytestmark = pytest.mark.e2e  # KV over gRPC on loopback; no Ray
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+CONFIG = EngineConfig(kv_cache_bytes=2**22, max_num_seqs=4, max_num_batched_tokens=128)
+PROMPT = tuple((5 * j) % 200 + 3 for j in range(37))  # 3 blocks of 16, the last one partial
+ATTEMPT = EngineRequest("r", PROMPT, GREEDY, attempt=1)
+
+
+@pytest.fixture
+def loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' KV sockets on 127.0.0.1 (a Ray node's address otherwise)."""
+    monkeypatch.setattr(EngineWorker, "host_address", staticmethod(lambda: "127.0.0.1"))
+
+
+@pytest.fixture
+def decode(test_llama: Path, torch_threads: None, loopback: None) -> Iterator[DecodeWorker]:
+    worker = DecodeWorker("decode-0", "a", str(test_llama), "m", CONFIG)  # no router
+    try:
+        yield worker
+    finally:
+        worker.transport.close()
+        worker.engine.shutdown()
+
+
+@pytest.fixture
+def prefill(test_llama: Path, torch_threads: None, loopback: None) -> Iterator[PrefillWorker]:
+    worker = PrefillWorker("prefill-0", "a", str(test_llama), "m", CONFIG)
+    try:
+        yield worker
+    finally:
+        worker.server.stop(0)
+        worker.engine.shutdown()
+
+
+async def items_of(
+    stream: AsyncGenerator[list[Delivery], None], attempt_id: str
+) -> list[TokenDelta | Exception]:
+    """What the consumer's stream carries for ``attempt_id`` until its last delta or its error."""
+    got: list[TokenDelta | Exception] = []
+    async for deliveries in stream:
+        for aid, items in deliveries:
+            assert aid == attempt_id
+            got.extend(items)
+        last = got[-1] if got else None
+        if isinstance(last, Exception) or (isinstance(last, TokenDelta) and last.finished):
+            return got
+    raise AssertionError("the stream ended")
+
+
+def test_decode_continues_the_prefill_with_the_offline_tokens(
+    prefill: PrefillWorker, decode: DecodeWorker, test_llama: Path
+) -> None:
+    [[out]] = LLMEngine.from_checkpoint(test_llama, CONFIG).generate([list(PROMPT)], GREEDY)
+
+    async def body() -> None:
+        await prefill.ready()
+        await decode.ready()
+        stream = decode.subscribe("c")
+        # The coordinator's walk (cluster/coordinator.py): source, decode, first token, hand-off.
+        handing = prefill.prefill(ATTEMPT)
+        source = await anext(handing)
+        assert isinstance(source, KVSource)
+        await decode.start_decode(ATTEMPT, source, "c")
+        first = await anext(handing)
+        assert isinstance(first, TokenDelta) and first.finish_reason is FinishReason.HANDED_OFF
+        await decode.handoff(ATTEMPT.key, replace(first, prompt_logprobs=None))
+        items = await items_of(stream, ATTEMPT.key)
+        rest = [d for d in items if isinstance(d, TokenDelta)]
+        assert rest == items  # no error
+        assert first.token_ids + [t for d in rest for t in d.token_ids] == out.token_ids
+        assert rest[-1].finish_reason is FinishReason.MAX_TOKENS
+        with pytest.raises(StopAsyncIteration):  # the decode worker's ack ended the lease
+            await anext(handing)
+        assert prefill.registry.releases == {ReleaseReason.ACKED: 1}
+        [record] = await decode.transfer_records()
+        assert (record.attempt_id, record.transport) == (ATTEMPT.key, "grpc")
+        await stream.aclose()
+        await decode.check_idle()
+        await eventually_idle(prefill.check_idle)
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_a_pull_from_a_dead_address_fails_naming_the_source_worker(decode: DecodeWorker) -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = KVSource("prefill-9", f"127.0.0.1:{s.getsockname()[1]}")
+
+    async def body() -> None:
+        stream = decode.subscribe("c")
+        await decode.start_decode(ATTEMPT, dead, "c")
+        [error] = await items_of(stream, ATTEMPT.key)
+        assert isinstance(error, KVPullFailed)
+        assert (error.worker, error.dead) == ("prefill-9", True)
+        assert "prefill-9" in str(error)
+        await stream.aclose()
+        await decode.check_idle()  # the blocks reserved for the import are freed
+        [record] = await decode.records()
+        assert (record.request_id, record.status) == (ATTEMPT.key, RequestStatus.FAILED)
+
+    asyncio.run(asyncio.wait_for(body(), 60))
