@@ -26,7 +26,9 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationInfo, field_validator
+
+from engine.config import ConfigSection
 
 DEFAULT_TENANT = "default"  # every request's tenant when auth is off
 CONCURRENCY_RETRY_AFTER_S = 1.0  # a slot frees when some request ends: no exact time exists
@@ -50,19 +52,13 @@ def _key_digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-class _Section(BaseModel):
-    """Frozen, and an unknown key (a typo in the topology file) is an error."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
-class TenantQuota(_Section):
+class TenantQuota(ConfigSection):
     requests_per_s: float = Field(gt=0, description="token-bucket refill rate")
     burst: int = Field(ge=1, description="token-bucket size: requests admitted back to back")
     max_concurrent: int = Field(ge=1, description="requests of the tenant in flight at once")
 
 
-class GateConfig(_Section):
+class GateConfig(ConfigSection):
     """The ``serve:`` section's admission part: how large a request may be and who may send
     it. Its errors never show input values, which could be API keys; the field path names what
     was wrong."""

@@ -21,10 +21,11 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from contracts.faults import FaultAction
 from contracts.roles import Role
+from engine.config import ConfigSection
 from tandem.topology import parse_yaml
 
 PLANS_DIR = Path(__file__).resolve().parents[1] / "deploy" / "chaos"
@@ -34,14 +35,10 @@ class PlanError(ValueError):
     """A plan file that cannot be read or does not validate; the message names the field."""
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
 # -- the load ----------------------------------------------------------------------------------
 
 
-class Arrivals(_Section):
+class Arrivals(ConfigSection):
     process: Literal["poisson", "gamma", "trace", "closed"] = Field(
         "poisson",
         description="open-loop inter-arrival times: exponential (poisson), gamma with shape "
@@ -68,7 +65,7 @@ class Arrivals(_Section):
         return self
 
 
-class Prompts(_Section):
+class Prompts(ConfigSection):
     words: tuple[int, int] = Field(
         (8, 48), description="prompt length in words (min, max), uniform; one word ~1-2 tokens"
     )
@@ -88,7 +85,7 @@ class Prompts(_Section):
         return self
 
 
-class Sampling(_Section):
+class Sampling(ConfigSection):
     """One kind of request in the mix."""
 
     weight: float = Field(1.0, gt=0, description="relative share of requests of this kind")
@@ -99,14 +96,14 @@ class Sampling(_Section):
     n: int = Field(1, ge=1, le=8, description="choices per request")
 
 
-class Cancel(_Section):
+class Cancel(ConfigSection):
     fraction: float = Field(0.0, ge=0, le=1, description="share of streams the client drops")
     after_tokens: tuple[int, int] = Field(
         (1, 8), description="the client hangs up after this many tokens (min, max), uniform"
     )
 
 
-class Load(_Section):
+class Load(ConfigSection):
     arrivals: Arrivals = Field(default_factory=Arrivals)
     prompts: Prompts = Field(default_factory=Prompts)
     sampling: list[Sampling] = Field(default_factory=lambda: [Sampling()], min_length=1)
@@ -121,7 +118,7 @@ class Load(_Section):
 # -- the faults --------------------------------------------------------------------------------
 
 
-class Target(_Section):
+class Target(ConfigSection):
     """Which worker a fault hits: by name, else one (drawn with the plan's seed) of those
     matching role and domain."""
 
@@ -141,7 +138,7 @@ class Phase(StrEnum):
     MID_DECODE = "mid_decode"  # the decode worker, eight tokens into a request
 
 
-class _Timed(_Section):
+class _Timed(ConfigSection):
     at_s: float = Field(ge=0, description="seconds after the first request's send time")
 
 
@@ -261,7 +258,7 @@ Fault = Annotated[
 # -- the verdict -------------------------------------------------------------------------------
 
 
-class Checks(_Section):
+class Checks(ConfigSection):
     max_hung: int = Field(0, ge=0, description="requests still open after deadline + hang_bound")
     hang_bound_s: float = Field(
         60.0, gt=0, description="a request must end within its deadline (else its send) + this"
@@ -288,7 +285,7 @@ class Checks(_Section):
     )
 
 
-class ChaosPlan(_Section):
+class ChaosPlan(ConfigSection):
     name: str = Field(min_length=1)
     description: str = ""
     load: Load = Field(default_factory=Load)

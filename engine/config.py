@@ -49,6 +49,13 @@ class ModelConfig:
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
 
 
+class ConfigSection(BaseModel):
+    """Base of every section of a topology, plan or service config: frozen once built, and an
+    unknown key (a typo in the file) or an inf / NaN is an error naming it."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
 class EngineConfig(BaseModel):
     """Limits of one engine instance (scheduler + KV cache + runner)."""
 

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from engine.config import ConfigSection
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
-class RouterWeights(_Section):
+class RouterWeights(ConfigSection):
     """Weights of the router's cost terms (router/policy.py); the lowest weighted sum wins. One
     unit of cost is one request ahead in a replica's queue."""
 
@@ -28,7 +26,7 @@ class RouterWeights(_Section):
     )
 
 
-class AdmissionConfig(_Section):
+class AdmissionConfig(ConfigSection):
     """The cluster's admission queue (router/admission.py)."""
 
     max_queued: int = Field(
@@ -52,7 +50,7 @@ class AdmissionConfig(_Section):
     )
 
 
-class RouterConfig(_Section):
+class RouterConfig(ConfigSection):
     weights: RouterWeights = Field(default_factory=RouterWeights)
     herding_guard: int = Field(
         8,

@@ -19,12 +19,12 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from api.gate import GateConfig
 from cluster.retry import RetryPolicy
 from contracts.roles import Role, Transport
-from engine.config import DemoSize, EngineConfig
+from engine.config import ConfigSection, DemoSize, EngineConfig
 from router.config import RouterConfig
 from tandem.demo import DEFAULT_DEMO_SIZE, demo_model_dir
 
@@ -54,13 +54,7 @@ class Spread(StrEnum):
     PACK = "pack"  # every worker in the pool's first domain: short links, one failure domain
 
 
-class _Section(BaseModel):
-    """Base of every section: frozen, and an unknown key (a typo) is an error."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
-
-
-class ModelSpec(_Section):
+class ModelSpec(ConfigSection):
     path: Path | None = Field(
         None, description="local Hugging Face checkpoint dir; None = the built-in demo model"
     )
@@ -94,7 +88,7 @@ class ModelSpec(_Section):
         return self
 
 
-class PoolSpec(_Section):
+class PoolSpec(ConfigSection):
     replicas: int = Field(ge=0, description="number of workers in this pool")
     num_cpus: float = Field(1.0, gt=0, description="Ray logical CPUs per worker (fractions ok)")
     num_gpus: float = Field(0.0, ge=0, description="Ray GPUs per worker")
@@ -131,7 +125,7 @@ class PoolSpec(_Section):
         return None if names is None else _unique(names)
 
 
-class Pools(_Section):
+class Pools(ConfigSection):
     prefill: PoolSpec | None = None
     decode: PoolSpec | None = None
     colocated: PoolSpec | None = Field(
@@ -148,7 +142,7 @@ class Pools(_Section):
         return {role: pool for role, pool in declared.items() if pool is not None}
 
 
-class ServeSpec(_Section):
+class ServeSpec(ConfigSection):
     """The HTTP ingress: its phase-1 gate (body size, API keys -> tenants, quotas) and its
     replicas."""
 
@@ -177,7 +171,7 @@ class WorkerSpec:
     kv_memory_fraction: float = 0.5
 
 
-class Topology(_Section):
+class Topology(ConfigSection):
     model: ModelSpec = Field(default_factory=lambda: ModelSpec.model_validate({}))
     label_key: str = Field(
         "tandem/failure-domain", description="Ray node label whose value is the failure domain"
