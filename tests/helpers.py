@@ -4,6 +4,7 @@ distribution (a test oracle), the router's view of a worker, schema-driven API b
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import fields, replace
@@ -11,6 +12,8 @@ from typing import Any
 
 from torch import Tensor
 
+from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.translate import sampling_params
 from contracts.messages import WorkerInfo, WorkerLoad
 from contracts.roles import Role
 from contracts.routing import WorkerState
@@ -26,6 +29,7 @@ from engine.sampler import (
     top_p_mask,
     typical_mask,
 )
+from engine.sampling_params import SamplingParams
 
 _INFO_FIELDS = {f.name for f in fields(WorkerInfo)}
 _LOAD_FIELDS = {f.name for f in fields(WorkerLoad)}
@@ -136,3 +140,22 @@ def integral(value: Any) -> Any:
     if isinstance(value, dict):
         return {k: integral(v) for k, v in value.items()}
     return value
+
+
+# -- HTTP bodies of the API tests --------------------------------------------------------------
+
+VOCAB = 2048  # the test checkpoints' vocabulary
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def completion_body(**fields: Any) -> bytes:
+    return json.dumps({"model": "demo", "prompt": "hi", **fields}).encode()
+
+
+def chat_body(**fields: Any) -> bytes:
+    return json.dumps({"model": "demo", "messages": MSGS, **fields}).encode()
+
+
+def params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
+    """A request's sampling parameters as the edge derives them (the test vocabulary)."""
+    return sampling_params(req, vocab_size=VOCAB, default_max_tokens=100)

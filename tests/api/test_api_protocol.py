@@ -3,39 +3,17 @@ path) for anything the request models reject, and the error object every refusal
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
+from helpers import MSGS, chat_body, completion_body
 
 from api.protocol import (
     APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
     parse_chat,
     parse_completion,
 )
-from api.translate import (
-    sampling_params,
-)
-from engine.sampling_params import SamplingParams
-
-VOCAB = 2048  # the test checkpoints' vocabulary
-MSGS = [{"role": "user", "content": "hi"}]
-
-
-def completion_body(**fields: Any) -> bytes:
-    return json.dumps({"model": "demo", "prompt": "hi", **fields}).encode()
-
-
-def chat_body(**fields: Any) -> bytes:
-    return json.dumps({"model": "demo", "messages": MSGS, **fields}).encode()
-
-
-def params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-    return sampling_params(req, vocab_size=VOCAB, default_max_tokens=100)
-
 
 # -- validation: every field's range, status 400 with the field named ----------------------------
 

@@ -6,13 +6,13 @@ bytes it would send to a server, and parses our response bytes, with no socket a
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 import httpx2
 import openai
 import pytest
+from helpers import VOCAB, completion_body
 from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
@@ -22,7 +22,6 @@ from api.metrics import Metrics
 from api.protocol import (
     APIError,
     ChatCompletionRequest,
-    CompletionRequest,
     PromptReport,
     parse_chat,
     parse_completion,
@@ -52,22 +51,6 @@ from engine.outputs import TokenDelta, TokenLogprobs
 from engine.request import FinishReason
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer, token_bytes, token_string
-
-VOCAB = 2048  # the test checkpoints' vocabulary
-MSGS = [{"role": "user", "content": "hi"}]
-
-
-def completion_body(**fields: Any) -> bytes:
-    return json.dumps({"model": "demo", "prompt": "hi", **fields}).encode()
-
-
-def chat_body(**fields: Any) -> bytes:
-    return json.dumps({"model": "demo", "messages": MSGS, **fields}).encode()
-
-
-def params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-    return sampling_params(req, vocab_size=VOCAB, default_max_tokens=100)
-
 
 META = ResponseMeta(id="cmpl-1", model="demo", created=1_700_000_000)
 

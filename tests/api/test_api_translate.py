@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import VOCAB, chat_body, completion_body, params
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -34,21 +35,6 @@ from api.translate import (
 )
 from engine.sampling_params import InvalidSamplingParams, SamplingParams
 from engine.tokenizer import Tokenizer
-
-VOCAB = 2048  # the test checkpoints' vocabulary
-MSGS = [{"role": "user", "content": "hi"}]
-
-
-def completion_body(**fields: Any) -> bytes:
-    return json.dumps({"model": "demo", "prompt": "hi", **fields}).encode()
-
-
-def chat_body(**fields: Any) -> bytes:
-    return json.dumps({"model": "demo", "messages": MSGS, **fields}).encode()
-
-
-def params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
-    return sampling_params(req, vocab_size=VOCAB, default_max_tokens=100)
 
 
 def test_check_model() -> None:
