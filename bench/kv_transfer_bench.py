@@ -85,7 +85,7 @@ def sender(num_blocks: int, threads: int, commands: Any, replies: Any) -> None:
             export = registry.publish(
                 header,
                 source=functools.partial(extract_layer, kv, block_ids=blocks),
-                lease_deadline=time.time() + 600,
+                lease_s=600,
                 on_release=lambda reason: None,
             )
             export.all_ready()

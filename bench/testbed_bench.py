@@ -91,7 +91,7 @@ def _sender(host: testbed.Host, mib: int, requests: Any, replies: Any) -> None:
         registry.publish(
             header,
             source=lambda layer: extract_layer(cache, layer, ids),
-            lease_deadline=time.time() + 120,
+            lease_s=120,
             on_release=lambda reason: None,
         ).all_ready()
         replies.put(key)

@@ -1,6 +1,7 @@
 """Faults done to a live cluster, as they happen to real ones: a process SIGKILLed (a crash),
 SIGSTOPped (a hang), stopped part of the time (a starved machine), a KV sender told to spoil
-chunks (``contracts.faults``), the router or the ingress replica killed.
+chunks (``contracts.faults``), the router or the ingress replica killed, the router paused or
+starved.
 
 Signals are sent by a Ray task pinned to the node the process runs on, so the same code works on
 one machine and across hosts. Each fault done is a :class:`FaultEvent`: when, to whom, and
@@ -212,7 +213,10 @@ class Injector:
         node, pid = await self.whereabouts(worker.client.handle)
         watch = (await self.agent(node)).wait_gone.remote(pid, timeout_s)
         await asyncio.sleep(0.1)  # the watch has begun (the agent was ready)
-        await worker.client.set_faults(FaultPlan([Fault(point, FaultAction.CRASH, count)]))
+        try:
+            await worker.client.set_faults(FaultPlan([Fault(point, FaultAction.CRASH, count)]))
+        except ray.exceptions.RayActorError:
+            pass  # it crashed before the arming call's answer left it: the watch says when
         died = await watch
         if died is None:
             await worker.client.set_faults(FaultPlan())
@@ -220,9 +224,19 @@ class Injector:
         return self.record(FaultEvent("kill_worker", died, [worker.name], detail=str(phase)))
 
     async def hang_worker(self, worker: Worker, seconds: float) -> FaultEvent:
-        node, pid = await self.whereabouts(worker.client.handle)
+        return await self._hang(worker.client.handle, "hang_worker", [worker.name], seconds)
+
+    async def hang_router(self, seconds: float) -> FaultEvent:
+        """SIGSTOP the router actor for ``seconds`` (a long GC pause, a frozen VM): every
+        request in flight waits on it."""
+        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        return await self._hang(router, "hang_router", [], seconds)
+
+    async def _hang(self, handle: Any, kind: str, workers: list[str], seconds: float) -> FaultEvent:
+        node, pid = await self.whereabouts(handle)
         await self.send(node, pid, signal.SIGSTOP)
-        event = FaultEvent("hang_worker", time.time(), [worker.name], detail=f"{seconds:g} s")
+        event = FaultEvent(kind, time.time(), workers, everyone=not workers)
+        event.detail = f"{seconds:g} s"
         self.record(event)
         try:
             await asyncio.sleep(seconds)
@@ -234,13 +248,30 @@ class Injector:
     async def slow_worker(
         self, worker: Worker, seconds: float, stopped_share: float, period_s: float
     ) -> FaultEvent:
-        node, pid = await self.whereabouts(worker.client.handle)
+        handle, names = worker.client.handle, [worker.name]
+        return await self._slow(handle, "slow_worker", names, seconds, stopped_share, period_s)
+
+    async def slow_router(
+        self, seconds: float, stopped_share: float, period_s: float
+    ) -> FaultEvent:
+        """The router on a starved machine: stopped ``stopped_share`` of every ``period_s``."""
+        router = ray.get_actor(ROUTER_NAME, namespace=NAMESPACE)
+        return await self._slow(router, "slow_router", [], seconds, stopped_share, period_s)
+
+    async def _slow(
+        self,
+        handle: Any,
+        kind: str,
+        workers: list[str],
+        seconds: float,
+        stopped_share: float,
+        period_s: float,
+    ) -> FaultEvent:
+        node, pid = await self.whereabouts(handle)
         agent = await self.agent(node)
-        event = self.record(
-            FaultEvent(
-                "slow_worker", time.time(), [worker.name], detail=f"stopped {stopped_share:.0%}"
-            )
-        )
+        event = FaultEvent(kind, time.time(), workers, everyone=not workers)
+        event.detail = f"stopped {stopped_share:.0%} of every {period_s:g} s"
+        self.record(event)
         await agent.throttle.remote(pid, seconds, stopped_share, period_s)
         event.until = time.time()
         return event

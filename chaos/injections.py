@@ -19,6 +19,7 @@ from chaos.plan import (
     AbortStorm,
     CancelRace,
     Churn,
+    HangRouter,
     HangWorker,
     HostFault,
     KillIngress,
@@ -26,6 +27,7 @@ from chaos.plan import (
     KillWorker,
     KVFault,
     LoseDomain,
+    SlowRouter,
     SlowWorker,
     Target,
     fault_kinds,
@@ -92,6 +94,16 @@ async def slow_worker(run: ChaosRun, fault: SlowWorker, start: float) -> FaultEv
     return await run.injector.slow_worker(
         worker, fault.duration_s, fault.stopped_share, fault.period_s
     )
+
+
+@INJECTIONS.register("hang_router")
+async def hang_router(run: ChaosRun, fault: HangRouter, start: float) -> FaultEvent:
+    return await run.injector.hang_router(fault.duration_s)
+
+
+@INJECTIONS.register("slow_router")
+async def slow_router(run: ChaosRun, fault: SlowRouter, start: float) -> FaultEvent:
+    return await run.injector.slow_router(fault.duration_s, fault.stopped_share, fault.period_s)
 
 
 @INJECTIONS.register("kv_fault")

@@ -165,6 +165,23 @@ class SlowWorker(_Timed):
     period_s: float = Field(0.1, gt=0, le=1)
 
 
+class HangRouter(_Timed):
+    """The router process paused (SIGSTOP, then SIGCONT): a long GC pause, a frozen VM. No
+    worker is down; a request must not fail for it, nor a worker be marked FAILED (P16)."""
+
+    kind: Literal["hang_router"]
+    duration_s: float = Field(10.0, gt=0, description="SIGSTOP, then SIGCONT after this long")
+
+
+class SlowRouter(_Timed):
+    """The router on a starved machine: stopped ``stopped_share`` of every ``period_s``."""
+
+    kind: Literal["slow_router"]
+    duration_s: float = Field(10.0, gt=0)
+    stopped_share: float = Field(0.5, gt=0, lt=1)
+    period_s: float = Field(0.1, gt=0, le=2)
+
+
 # What a kv_fault may do to a KV stream: contracts.faults' vocabulary, the sender's data faults.
 KV_ACTIONS = (FaultAction.CORRUPT, FaultAction.TRUNCATE, FaultAction.DROP, FaultAction.STALL)
 
@@ -245,6 +262,8 @@ Fault = Annotated[
     | SlowWorker
     | KVFault
     | KillRouter
+    | HangRouter
+    | SlowRouter
     | KillIngress
     | AbortStorm
     | CancelRace
@@ -266,6 +285,12 @@ class Checks(ConfigSection):
     max_mismatches: int = Field(0, ge=0, description="outputs unequal to the reference engine's")
     min_non_targeted_success: float = Field(
         0.999, ge=0, le=1, description="success share of requests no fault touched"
+    )
+    max_failed: int | None = Field(
+        None,
+        ge=0,
+        description="requests that may end in an error, touched by a fault or not (None: only "
+        "the non-targeted success share is checked); 0 for faults no request may fail for",
     )
     max_detect_kill_s: float = Field(1.0, gt=0, description="a killed process marked FAILED")
     max_detect_hang_margin_s: float = Field(

@@ -310,7 +310,7 @@ class ChaosRun:
                     at_s=e.at - start,
                     workers=e.workers,
                     detail=e.detail,
-                    detect_s=v.detection_s(e, self.health) if e.workers else None,
+                    detect_s=v.detection_s(e, self.health, events) if e.workers else None,
                     recovery_s=recovered,
                     steady_tokens_per_s=steady.tokens_per_s,
                     steady_ttft_p99=steady.ttft_p99,
@@ -345,6 +345,8 @@ class ChaosRun:
         late = _late_detections(faults, c, heartbeat)
         worst = max((f.detect_s for f in faults if f.detect_s is not None), default=0.0)
         repeated = _repeated(records)
+        blamed = v.false_alarms(events, self.health)
+        failed = sum(r["status"] == "error" for r in judged)
         checks = [
             v.Check("no request hung", hung <= c.max_hung, f"{hung} hung", f"<= {c.max_hung}"),
             v.Check(
@@ -371,6 +373,18 @@ class ChaosRun:
                 success >= c.min_non_targeted_success,
                 f"{clean_ok}/{len(clean)} = {success:.4f}",
                 f">= {c.min_non_targeted_success}",
+            ),
+            v.Check(
+                "no worker marked FAILED without a fault",
+                not blamed,
+                f"{len(blamed)} false alarms" + (f": {blamed[:4]}" if blamed else ""),
+                "0",
+            ),
+            v.Check(
+                "failed requests, touched or not",
+                c.max_failed is None or failed <= c.max_failed,
+                f"{failed} failed",
+                "any" if c.max_failed is None else f"<= {c.max_failed}",
             ),
             v.Check(
                 "faults detected in time",

@@ -6,6 +6,7 @@ over plain data (no Ray, no HTTP), so each rule is tested on its own.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -160,17 +161,39 @@ def recovery_s(
     return steady, None
 
 
-def detection_s(event: FaultEvent, health: list[dict[str, Any]]) -> float | None:
+ROUTER_OUTAGES = ("kill_router", "hang_router")  # no failure detector runs while they last
+
+
+def detection_s(
+    event: FaultEvent, health: list[dict[str, Any]], events: Sequence[FaultEvent] = ()
+) -> float | None:
     """Fault to the router's first FAILED mark of one of its workers (None: never marked).
     A mark up to 50 ms before the fault's time counts as 0: a death is timed by polling the
     process every 5 ms, and the router can learn of it first (its connection closes as the
-    process exits)."""
+    process exits). A fault done while the router was down or paused (another of ``events``)
+    is timed from when the router was back: no detector runs before."""
+    since = event.at
+    for other in events:
+        if other.kind in ROUTER_OUTAGES and other.until is not None:
+            if other.at <= event.at <= other.until:
+                since = max(since, other.until)
     marks = [
         h["at"]
         for h in health
         if h["event"] == "failed" and h["worker"] in event.workers and h["at"] >= event.at - 0.05
     ]
-    return max(0.0, min(marks) - event.at) if marks else None
+    return max(0.0, min(marks) - since) if marks else None
+
+
+def false_alarms(events: list[FaultEvent], health: list[dict[str, Any]]) -> list[str]:
+    """The router's FAILED marks of workers no fault had hit by then: a healthy worker blamed
+    (for the router's own pause, a load, another worker's fault). "name (why)" each."""
+    return [
+        f"{h['worker']} ({h['why']})"
+        for h in health
+        if h["event"] == "failed"
+        and not any(h["worker"] in e.workers and h["at"] >= e.at - 0.05 for e in events)
+    ]
 
 
 @dataclass

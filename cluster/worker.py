@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncGenerator
 from pathlib import Path
@@ -107,6 +108,7 @@ class EngineWorker:
         self._changed: asyncio.Event | None = None  # created on the actor's loop
         self._reporter: asyncio.Task[None] | None = None
         self._liveness: asyncio.Task[None] | None = None
+        self._engine_read_since: float | None = None  # a read of the engine pending since
         # Resyncs asked for (start, readmission, a lost or ignored report) and delivered.
         self._resyncs_asked = 0
         self._resyncs_done = 0
@@ -147,6 +149,14 @@ class EngineWorker:
             self._liveness = loop.create_task(self._hold_liveness())
         self._touch()  # report now: a readmitting router has no view of us
         return self.info()
+
+    async def probe(self) -> tuple[str, bool]:
+        """The router's direct check when it suspects this worker (its reports late, or the
+        router just restarted): this process's incarnation, and whether its engine answers --
+        the rule that stops its heartbeats (``ENGINE_SILENCE_S``)."""
+        since = self._engine_read_since
+        silent = since is not None and time.monotonic() - since > ENGINE_SILENCE_S
+        return self.incarnation, not silent
 
     def info(self) -> WorkerInfo:
         return WorkerInfo(
@@ -235,11 +245,13 @@ class EngineWorker:
                 wanted = self._resyncs_asked > self._resyncs_done
                 reading_resync = self._resyncs_asked if wanted else 0
                 reading_since = loop.time()
+                self._engine_read_since = time.monotonic()
                 reading = loop.create_task(self._read_state(resync=wanted))
             await asyncio.wait({reading}, timeout=self.report_interval_s * 2)
             events: list[KVEvent] = []
             answered = 0
             if reading.done():
+                self._engine_read_since = None
                 try:
                     load, events = reading.result()
                     answered = reading_resync

@@ -35,6 +35,7 @@ class WorkerAPI(Protocol):
     """What every worker actor serves (cluster.worker.EngineWorker)."""
 
     async def ready(self) -> WorkerInfo: ...
+    async def probe(self) -> tuple[str, bool]: ...
     async def set_faults(self, plan: FaultPlan) -> None: ...
     def subscribe(self, consumer: str) -> AsyncGenerator[list[Delivery], None]: ...
     async def start_generate(self, attempt: EngineRequest, consumer: str) -> None: ...
@@ -53,6 +54,7 @@ class PrefillAPI(WorkerAPI, Protocol):
     """A prefill worker (prefill_worker.worker.PrefillWorker)."""
 
     def prefill(self, attempt: EngineRequest) -> AsyncGenerator[KVSource | TokenDelta, None]: ...
+    async def renew_lease(self, request_id: str, attempt_id: str) -> float | None: ...
 
 
 class DecodeAPI(WorkerAPI, Protocol):
@@ -95,6 +97,10 @@ class WorkerClient:
     def ready(self) -> ObjectRef[WorkerInfo]:
         return self.handle.ready.remote()
 
+    def probe(self) -> ObjectRef[tuple[str, bool]]:
+        """(incarnation, whether its engine answers): the router's direct check."""
+        return self.handle.probe.remote()
+
     def set_faults(self, plan: FaultPlan) -> ObjectRef[None]:
         return self.handle.set_faults.remote(plan)
 
@@ -115,6 +121,10 @@ class WorkerClient:
 
     def prefill(self, attempt: EngineRequest) -> ObjectRefGenerator:
         return self.handle.prefill.remote(attempt)  # two items, then it holds the lease
+
+    def renew_lease(self, attempt: EngineRequest) -> ObjectRef[float | None]:
+        """Keep the prefill worker's lease on ``attempt``'s KV (its puller waits for room)."""
+        return self.handle.renew_lease.remote(attempt.request_id, attempt.key)
 
     def start_decode(
         self, attempt: EngineRequest, source: KVSource, consumer: str

@@ -73,7 +73,8 @@ class DetectedBy(StrEnum):
 
     RESTART = "restart"  # a new process announced itself under the name
     ACTOR_DEATH = "actor_death"  # a coordinator saw the actor die and reported it
-    HEARTBEAT = "heartbeat"  # its reports stopped for the heartbeat timeout
+    HEARTBEAT = "heartbeat"  # its reports stopped for the heartbeat timeout, a probe unanswered
+    PROBE = "probe"  # a direct probe failed (dead, unresponsive engine, or silent to a new router)
 
 
 @dataclass(slots=True)

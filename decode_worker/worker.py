@@ -20,14 +20,17 @@ short uncached prompts, where disaggregation costs more than it saves.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING, Any
 
+import ray
+
 from cluster.worker import EngineWorker
-from contracts.actors import DecodeAPI
+from contracts.actors import DecodeAPI, WorkerClient
 from contracts.messages import KVPullFailed, KVSource, TransferRecord
 from contracts.roles import Role, Transport
 from engine.outputs import TokenDelta
@@ -38,6 +41,7 @@ from kv_transfer.format import LayerChunk, TransferKey
 from kv_transfer.transport import make_transport
 
 TRANSFER_RECORDS_KEPT = 10_000
+logger = logging.getLogger(__name__)
 
 
 class DecodeWorker(EngineWorker):
@@ -78,10 +82,12 @@ class DecodeWorker(EngineWorker):
         aid = attempt.key
         handoff = self._handoff(aid)
         self._touch()
+        lease = asyncio.get_running_loop().create_task(self._keep_lease(source, attempt))
         try:
             blocks, stream = await self.engine.import_request(attempt)
             try:
                 await self._pull(source, TransferKey.of(attempt), blocks, attempt.deadline)
+                lease.cancel()
                 first = await handoff
                 await self.engine.kv.finish_import(
                     aid, next_token=first.token_ids[-1], sampler_snapshot=first.sampler_snapshot
@@ -94,8 +100,22 @@ class DecodeWorker(EngineWorker):
             async for delta in self._relay(stream, attempt):
                 yield delta
         finally:
+            lease.cancel()
             self._handoffs.pop(aid, None)
             self._touch()
+
+    async def _keep_lease(self, source: KVSource, attempt: EngineRequest) -> None:
+        """Renew the prefill worker's lease on ``attempt``'s KV until the pull is done: while
+        the request waits here for room (parked) the KV stays leased to this live puller, so
+        load alone never expires a lease; a puller that dies or hangs stops renewing."""
+        try:
+            prefill = WorkerClient(ray.get_actor(source.worker, namespace=self._namespace))
+            while (lease_s := await prefill.renew_lease(attempt)) is not None:
+                await asyncio.sleep(lease_s / 3)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the prefill worker is gone: the pull says so
+            logger.debug("%s: lease renewal for %s ended", self.name, attempt.key, exc_info=True)
 
     async def _pull(
         self, source: KVSource, key: TransferKey, blocks: list[int], deadline: float | None

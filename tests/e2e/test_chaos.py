@@ -44,20 +44,16 @@ def counters(url: str) -> list[float]:
     return [sum(metric(url, name, **labels)) for name, labels in COUNTED]
 
 
-@pytest.fixture(scope="module")
-def smoke(
-    serve_app: Callable[[Path], str], tmp_path_factory: pytest.TempPathFactory
-) -> dict[str, Any]:
-    url = serve_app(DEFAULT_TOPOLOGY)
+def run_plan(plan: str, url: str, out: Path) -> dict[str, Any]:
+    """``tandem chaos run PLAN`` against the session's cluster, as a user runs it."""
     before = counters(url)
-    out = tmp_path_factory.mktemp("chaos")
     tandem = Path(sys.executable).with_name("tandem")
     run = subprocess.run(
         [
             str(tandem),
             "chaos",
             "run",
-            "smoke",
+            plan,
             "--address",
             ray.get_runtime_context().gcs_address,
             "--url",
@@ -82,18 +78,31 @@ def smoke(
     }
 
 
+@pytest.fixture(scope="module")
+def url(serve_app: Callable[[Path], str]) -> str:
+    """Tandem on the shipped local topology, for this module's plans."""
+    return serve_app(DEFAULT_TOPOLOGY)
+
+
+@pytest.fixture(scope="module")
+def smoke(url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_plan("smoke", url, tmp_path_factory.mktemp("chaos"))
+
+
 def test_the_smoke_plan_passes_every_check(smoke: dict[str, Any]) -> None:
     assert smoke["rc"] == 0, smoke["stderr"][-4000:]
     report = smoke["report"]
     assert report["verdict"] is True
     names = [c["name"] for c in report["checks"]]
-    assert names[:9] == [
+    assert names[:11] == [
         "no request hung",
         "outputs equal the reference",
         "every error is typed",
         "pools and leases back to baseline",
         "one terminal record per attempt on each worker",
         "non-targeted requests succeed",
+        "no worker marked FAILED without a fault",
+        "failed requests, touched or not",
         "faults detected in time",
         "KV held for a dead peer",
         "every fault was done",
@@ -155,3 +164,24 @@ def test_a_host_fault_waits_until_a_request_runs_on_the_host(smoke: dict[str, An
     assert said.endswith(" busy") and said.removeprefix(", ").split()[0] in {
         w.name for w in workers
     }, said
+
+
+def test_a_paused_and_starved_router_fails_no_request_and_blames_no_worker(
+    url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """P16 (`router-pause`): the router SIGSTOPped for 10 s, then stopped 0.8 s of every second
+    for 10 s, while Poisson arrivals keep coming. Before the router knew its own pauses, it
+    woke to every heartbeat late, marked healthy workers FAILED and failed 35 of 181 requests."""
+    run = run_plan("router-pause", url, tmp_path_factory.mktemp("pause"))
+    assert run["rc"] == 0, run["stderr"][-4000:]
+    report = run["report"]
+    assert all(c["passed"] for c in report["checks"]), report["checks"]
+    faults = report["faults"]
+    assert [f["kind"] for f in faults] == ["hang_router", "slow_router"]
+    assert faults[0]["lasted_s"] >= 10.0 and faults[1]["lasted_s"] >= 10.0
+    assert faults[0]["touched"] >= 10  # open-loop: requests kept arriving while it was stopped
+    counts = report["counts"]
+    assert counts.get("error", 0) == 0 and counts.get("hung", 0) == 0
+    assert counts["ok"] == counts["requests"] and counts["mismatched"] == 0
+    assert not [h for h in report["health"] if h["event"] == "failed"], report["health"]
+    assert (run["after"][0] - run["before"][0]) == 0  # tandem_worker_failures_detected_total

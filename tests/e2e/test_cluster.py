@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import Counter
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,7 @@ SEEDED = SamplingParams(
     temperature=0.8, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True, logprobs=2
 )
 _ids = itertools.count()
+ISSUED: list[str] = []  # every client request id collect() sent: each must get one record
 
 
 # One loop for the module: Ray's async handles and the coordinator live across tests.
@@ -100,6 +102,7 @@ async def collect_with_logprobs(
     c: Cluster, tokens: list[int], params: SamplingParams, **kw: Any
 ) -> tuple[list[int], list[TokenLogprobs]]:
     spec = EngineRequest(f"r{next(_ids)}", tuple(tokens), params, arrival_time=time.time(), **kw)
+    ISSUED.append(spec.request_id)
     deltas: list[TokenDelta] = [d async for d in c.coordinator.generate(spec)]
     assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
     ids = [t for d in deltas for t in d.token_ids]
@@ -118,8 +121,10 @@ async def assert_clean(c: Cluster) -> None:
                 break
             except ActorUnavailableError:
                 await asyncio.sleep(0.2)
-    ids = [r.request_id for r in c.coordinator.records]
-    assert len(ids) == len(set(ids))
+    ids = Counter(r.request_id for r in c.coordinator.records)
+    assert all(n == 1 for n in ids.values()), [i for i, n in ids.items() if n > 1]
+    lost = [i for i in ISSUED if i not in ids]
+    assert not lost, f"requests without a terminal record: {lost}"
     while not all(w.healthy for w in await c.router.worker_states()):
         await asyncio.sleep(0.1)
 
@@ -144,6 +149,7 @@ def test_disaggregated_equals_colocated(cluster: Cluster, colocated: LLMEngine) 
     run(body())
 
 
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize(
     "role, point, at, migrations",
     [
@@ -154,14 +160,20 @@ def test_disaggregated_equals_colocated(cluster: Cluster, colocated: LLMEngine) 
     ],
 )
 def test_killed_worker_gives_the_fault_free_stream(
-    cluster: Cluster, colocated: LLMEngine, role: str, point: FaultPoint, at: int, migrations: int
+    cluster: Cluster,
+    colocated: LLMEngine,
+    role: str,
+    point: FaultPoint,
+    at: int,
+    migrations: int,
+    params: SamplingParams,
 ) -> None:
     tokens = prompt(70 if role == "prefill" else 33, 3)
 
     async def body() -> None:
         await arm(cluster, role, Fault(point, FaultAction.CRASH, at=at, attempt=1))
-        got = await collect_with_logprobs(cluster, tokens, SEEDED)
-        assert got == expected_with_logprobs(colocated, tokens, SEEDED)
+        got = await collect_with_logprobs(cluster, tokens, params)
+        assert got == expected_with_logprobs(colocated, tokens, params)
         [record] = cluster.coordinator.records[-1:]
         assert record.attempts == 2 and record.migrations == migrations
         await assert_clean(cluster)
@@ -177,8 +189,8 @@ def test_transport_faults_are_detected_and_retried(
 
     async def body() -> None:
         await arm(cluster, "prefill", Fault(FaultPoint.TRANSFER_CHUNK, action, at=1, attempt=1))
-        got = await collect(cluster, tokens, GREEDY)
-        assert got == expected(colocated, tokens, GREEDY)
+        got = await collect_with_logprobs(cluster, tokens, GREEDY)  # tokens and logprobs
+        assert got == expected_with_logprobs(colocated, tokens, GREEDY)
         assert cluster.coordinator.records[-1].attempts == 2
         await assert_clean(cluster)
 
@@ -234,12 +246,12 @@ def test_a_hung_worker_is_routed_around_its_request_migrated_then_it_rejoins(
     run; the hung worker frees that request's KV once it wakes, and rejoins after the health
     check."""
     slow, fresh = prompt(40, 21), prompt(40, 22)
-    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True, logprobs=2)
     stall_s = 8.0
 
     async def body() -> None:
         before = len(await cluster.router.decisions())
-        task = asyncio.ensure_future(collect(cluster, slow, long))
+        task = asyncio.ensure_future(collect_with_logprobs(cluster, slow, long))
         while len(decisions := await cluster.router.decisions()) <= before:
             await asyncio.sleep(0.01)
         hung = decisions[before]["decode"]
@@ -247,7 +259,7 @@ def test_a_hung_worker_is_routed_around_its_request_migrated_then_it_rejoins(
         stall = Fault(FaultPoint.DECODE_TOKENS, FaultAction.STALL, at=0, seconds=stall_s)
         stalled_at = time.time()
         await cluster.workers[hung].set_faults(FaultPlan([stall]))
-        assert await task == expected(colocated, slow, long)
+        assert await task == expected_with_logprobs(colocated, slow, long)
         record = cluster.coordinator.records[-1]
         assert (record.attempts, record.migrations) == (2, 1)
         assert record.finished < stalled_at + stall_s  # it did not wait for the hung worker

@@ -242,6 +242,38 @@ def test_a_router_kill_under_load_fails_no_request_and_refuses_no_connection(
     assert credited_soon(server)  # the index rebuilt from the resyncs
 
 
+def test_a_worker_killed_while_the_router_restarts_is_failed_once_the_router_answers(
+    server: str,
+) -> None:
+    """No detector runs while the router restarts, and the new router has no view of the
+    workers: it probes each as it starts, so decode-1, killed meanwhile (Ray restarting it), is
+    FAILED within a second of the router answering -- not left `starting` until it returns --
+    and comes back through its health check."""
+    wait_all_up(server)
+    decode = ray.get_actor("decode-1", namespace=NAMESPACE)
+    decode_pid = ray.get(decode.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    (router_pid,) = ray_processes("ray::RouterActor", os.getpid())
+    os.kill(router_pid, signal.SIGKILL)
+    os.kill(decode_pid, signal.SIGKILL)
+    until = time.time() + 60
+    while True:  # the new router answering
+        try:
+            ray.get(router().key(), timeout=0.5)
+            break
+        except (ray.exceptions.RayError, TimeoutError):
+            assert time.time() < until, "the router never came back"
+    answered_at = time.time()
+    failed: list[dict[str, Any]] = []
+    while not failed and time.time() < answered_at + 10:
+        events = ray.get(router().health_events(), timeout=10)
+        failed = [e for e in events if e["worker"] == "decode-1" and e["event"] == "failed"]
+        time.sleep(0.05)
+    assert failed, "the new router never marked decode-1 FAILED"
+    assert failed[0]["at"] - answered_at < 1.0, failed[0]
+    assert not [e for e in events if e["event"] == "failed" and e["worker"] != "decode-1"]
+    wait_all_up(server)
+
+
 def test_the_ingress_replica_killed_comes_back_on_its_port_with_the_same_cluster(
     server: str, reference: dict[str, str], poller: Poller
 ) -> None:
@@ -265,7 +297,9 @@ def test_the_ingress_replica_killed_comes_back_on_its_port_with_the_same_cluster
         time.sleep(0.1)
     back_in = time.time() - killed_at
     load.join()
-    assert back_in < 10.0, f"the port answered again after {back_in:.1f} s"
+    # A liveness bound, not a speed goal (the chaos report's `lasted` measures it): a dead
+    # replica noticed at the next 1 s health check, a new one started on two busy cores.
+    assert back_in < 20.0, f"the port answered again after {back_in:.1f} s"
     assert o.text == reference[PROMPTS[0]]
     assert {n: ray.get_actor(n, namespace=NAMESPACE)._actor_id.hex() for n in names} == ids
     assert cluster(server)["workers"][0]["cached_blocks"] >= cached

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import multiprocessing as mp
 import os
 import shutil
@@ -133,7 +134,7 @@ def publish(
     export = registry.publish(
         header,
         source=lambda layer: extract_layer(cache, layer, blocks),
-        lease_deadline=time.time() + lease_s,
+        lease_s=lease_s,
         on_release=releases.append,
     )
     if ready:
@@ -413,6 +414,30 @@ def test_release_runs_exactly_once_whatever_races() -> None:
         assert len(pub.releases) == 1
 
 
+def test_the_lease_starts_when_the_kv_is_complete_and_a_live_puller_renews_it() -> None:
+    """A prompt queued or prefilled for longer than the lease does not lose its KV before its
+    puller can take it: the lease runs from the last layer, and each renewal gives it
+    ``lease_s`` more from then; a released export cannot be renewed."""
+    registry = KVExportRegistry()
+    cache = random_cache(2, torch.float32)
+    pub = publish(registry, cache, [0, 1], request_id="q", ready=False, lease_s=5)
+    assert registry.expire(time.time() + 3600) == []  # prefill not done: never expires
+    assert registry.renew(pub.key) == 5  # a renewal before the start leaves it unstarted
+    assert pub.export.lease_deadline == math.inf
+    for layer in range(LAYERS - 1):
+        pub.export.layer_ready(layer)
+    assert registry.expire(time.time() + 3600) == []
+    before = time.time()
+    pub.export.layer_ready(LAYERS - 1)  # complete: the lease starts
+    assert before + 5 <= pub.export.lease_deadline <= time.time() + 5
+    assert registry.renew(pub.key, now=time.time() + 4) == 5
+    assert registry.expire(time.time() + 6) == []  # renewed at +4: good until +9
+    assert registry.expire(time.time() + 9.5) == [pub.key]
+    assert registry.renew(pub.key) is None and pub.releases == [ReleaseReason.EXPIRED]
+    late = publish(registry, cache, [0, 1], request_id="late", lease_s=5)
+    assert registry.renew(late.key, now=time.time() + 6) is None  # past its deadline: gone
+
+
 def test_lease_expiry_and_peer_death() -> None:
     registry = KVExportRegistry()
     cache = random_cache(3, torch.float32)
@@ -690,15 +715,31 @@ def test_prefill_failure_mid_stream_aborts_the_puller(
     assert pub.releases == [ReleaseReason.FAILED]
 
 
+class GatedRecorder(Recorder):
+    """A Recorder that stops at layer 1 until ``gate`` is set (a puller that fell behind)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def __call__(self, chunk: LayerChunk) -> None:
+        if chunk.layer == 1:
+            assert self.gate.wait(10)
+        super().__call__(chunk)
+
+
 def test_lease_expiry_mid_stream_releases_once(
     registry: KVExportRegistry, server: KVTransferServer, client: KVTransport
 ) -> None:
     pub = publish(registry, random_cache(8, torch.bfloat16), [1, 2, 3], ready=False, lease_s=30)
-    sink = Recorder()
+    sink = GatedRecorder()
     thread, out = pull_in_thread(client, server.address, pub, sink, soon())
     pub.export.layer_ready(0)
     assert sink.got_layer[0].wait(10)
+    assert registry.expire(time.time() + 60) == []  # the KV is not complete: no lease yet
+    pub.export.all_ready()
     assert registry.expire(time.time() + 60) == [pub.key]
+    sink.gate.set()
     thread.join()
     assert isinstance(out.get("error"), KVTransferAborted)
     assert registry.expire(time.time() + 60) == []

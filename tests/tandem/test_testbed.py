@@ -5,12 +5,16 @@ run (not root, no sshd). The bed's names (``tdm-*``) are global: a bed left runn
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import skip_unless_bed_possible
 
 from tandem import testbed
 from tandem.testbed import Testbed, TestbedUnavailable
@@ -20,10 +24,7 @@ pytestmark = pytest.mark.e2e  # it starts sshd processes
 
 @pytest.fixture
 def state_dir(tmp_path: Path) -> Iterator[Path]:
-    try:
-        testbed.check_possible()
-    except TestbedUnavailable as exc:
-        pytest.skip(str(exc))
+    skip_unless_bed_possible()
     yield tmp_path / "bed"
     testbed.down(tmp_path / "bed")
 
@@ -72,6 +73,11 @@ def test_up_makes_hosts_that_reach_each_other_and_nothing_else(state_dir: Path) 
     listening = bed.ssh(bed.hosts[1], "cat /proc/net/tcp")
     assert "0200D50A:0016" in listening  # 10.213.0.2:22, little-endian hex
     assert "00000000:0016" not in listening
+    # A failed remote command says where and why (its output), not only its command line.
+    with pytest.raises(
+        testbed.RemoteCommandFailed, match=r"tdm-h1 \(10.213.0.2\), exit 3(.|\n)*boom"
+    ):
+        bed.ssh(bed.hosts[1], "echo boom >&2; exit 3")
 
 
 def test_up_again_keeps_the_running_bed(state_dir: Path) -> None:
@@ -115,8 +121,40 @@ def test_a_missing_tool_is_named_with_its_package(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(testbed.os, "geteuid", lambda: 0)
     present = {"ip", "ssh", "ssh-keygen"}
     monkeypatch.setattr(testbed.shutil, "which", lambda tool: tool if tool in present else None)
-    with pytest.raises(TestbedUnavailable, match="`rsync` not found: install rsync"):
+    monkeypatch.setattr(testbed, "_apt", lambda: True)
+    with pytest.raises(TestbedUnavailable, match="`rsync` not found: install rsync") as missing:
         testbed.check_possible()
+    assert missing.value.installable  # root with apt: setup's job, a test fails on it
+    assert "apt-get install openssh-server rsync" in str(missing.value)
+    monkeypatch.setattr(testbed, "_apt", lambda: False)
+    with pytest.raises(TestbedUnavailable) as missing:
+        testbed.check_possible()
+    assert not missing.value.installable  # no apt: the bed's tests skip, saying why
+
+
+def test_the_cli_says_in_one_line_what_a_bed_lacks(tmp_path: Path) -> None:
+    """A new user without rsync: `tandem chaos run host-loss --testbed 3` ends in one line
+    naming the package to install, no traceback."""
+    if os.geteuid() != 0:
+        pytest.skip("the check after root's: needs root")
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("ip", "ssh", "ssh-keygen"):
+        (tools / tool).symlink_to(shutil.which(tool) or f"/usr/bin/{tool}")
+    tandem = Path(sys.executable).with_name("tandem")
+    env = {**os.environ, "PATH": f"{tools}:{Path(sys.executable).parent}"}
+    run = subprocess.run(
+        [str(tandem), "chaos", "run", "host-loss", "--testbed", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert lines[-1].startswith("tandem: the test bed cannot run here: `rsync` not found")
+    assert "apt-get install openssh-server rsync" in lines[-1]
+    assert "Traceback" not in run.stderr
 
 
 def test_bad_shapes_are_refused(tmp_path: Path) -> None:
