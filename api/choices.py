@@ -81,7 +81,11 @@ class Choices:
         ]
         if job.chat:
             body = responses.chat_response(
-                job.meta, done, prompt_tokens=job.prompt_tokens, tokenizer=self.tokenizer
+                job.meta,
+                done,
+                prompt_tokens=job.prompt_tokens,
+                tokenizer=self.tokenizer,
+                report=job.report,
             )
         else:
             body = responses.completion_response(
@@ -142,7 +146,9 @@ class Choices:
         if job.chat:
             logprobs = None
             if job.logprobs and delta.logprobs:
-                logprobs = responses.chat_logprobs(self.tokenizer, delta.token_ids, delta.logprobs)
+                logprobs = responses.chat_logprobs(
+                    self.tokenizer, delta.token_ids, delta.logprobs, as_ids=job.report.token_ids
+                )
             out = []
             if delta.text or logprobs is not None:
                 out.append(
@@ -162,7 +168,11 @@ class Choices:
             fields = {"text": delta.text, "logprobs": None}
             if lps:
                 fields["logprobs"] = responses.completion_logprobs(
-                    self.tokenizer, delta.token_ids, lps, text_offset=echoed + len(before.text)
+                    self.tokenizer,
+                    delta.token_ids,
+                    lps,
+                    text_offset=echoed + len(before.text),
+                    as_ids=job.report.token_ids,
                 )
         if not fields["text"] and fields["logprobs"] is None and finish is None:
             return []

@@ -176,6 +176,7 @@ class PromptReport:
     echo: bool = False
     logprobs: int | None = None  # the request's: the alternatives an echoed token shows
     prompt_logprobs: int | None = None
+    token_ids: bool = False  # return_tokens_as_token_ids: logprobs name tokens `token_id:N`
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -237,6 +238,11 @@ class _SamplingFields(_Strict):
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    return_tokens_as_token_ids: bool = Field(
+        default=False,
+        description="vLLM's: logprobs name each token `token_id:N` instead of its text (exact "
+        "where texts collide or a token is part of a UTF-8 character)",
+    )
     stop_token_ids: Annotated[
         list[int] | None, WithJsonSchema({"anyOf": [_TOKEN_ID_LIST, {"type": "null"}]})
     ] = None
@@ -325,7 +331,9 @@ class CompletionRequest(_SamplingFields):
 
     @property
     def prompt_report(self) -> PromptReport:
-        return PromptReport(self.echo, self.logprobs, self.prompt_logprobs)
+        return PromptReport(
+            self.echo, self.logprobs, self.prompt_logprobs, self.return_tokens_as_token_ids
+        )
 
     @field_validator("prompt", mode="before")
     @classmethod

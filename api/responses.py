@@ -126,7 +126,12 @@ def completion_response(
 
 
 def chat_response(
-    meta: ResponseMeta, choices: Sequence[TokenDelta], *, prompt_tokens: int, tokenizer: Tokenizer
+    meta: ResponseMeta,
+    choices: Sequence[TokenDelta],
+    *,
+    prompt_tokens: int,
+    tokenizer: Tokenizer,
+    report: PromptReport = _NO_REPORT,
 ) -> dict[str, Any]:
     """The non-streaming ``chat.completion`` object (``choices`` as in completion_response)."""
     return {
@@ -137,7 +142,7 @@ def chat_response(
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": None
                 if c.logprobs is None
-                else chat_logprobs(tokenizer, c.token_ids, c.logprobs),
+                else chat_logprobs(tokenizer, c.token_ids, c.logprobs, as_ids=report.token_ids),
                 "finish_reason": _finish(c),
             }
             for c in sorted(choices, key=lambda c: c.index)
@@ -254,7 +259,9 @@ def completion_fields(
         if logprobs is not None:
             ids, shown = [*prompt.token_ids, *token_ids], [*(prompt.logprobs or ()), *logprobs]
     if shown is not None:
-        fields["logprobs"] = completion_logprobs(tokenizer, ids, shown, num_top=report.logprobs)
+        fields["logprobs"] = completion_logprobs(
+            tokenizer, ids, shown, num_top=report.logprobs, as_ids=report.token_ids
+        )
     if prompt is not None and report.prompt_logprobs is not None:
         fields["prompt_logprobs"] = prompt_logprobs(
             tokenizer, prompt.token_ids, prompt.logprobs or (), report.prompt_logprobs
@@ -269,6 +276,7 @@ def completion_logprobs(
     *,
     text_offset: int = 0,
     num_top: int | None = None,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """Completions' ``{tokens, token_logprobs, top_logprobs, text_offset}``.
 
@@ -276,21 +284,23 @@ def completion_logprobs(
     ``num_top`` most likely (default: as many as computed). A None entry (an echoed prompt's
     first token) has null ``token_logprobs`` and ``top_logprobs``. ``text_offset`` is where the
     first token starts in the choice's text; a stream passes the length of the text it has sent
-    so far."""
+    so far. ``as_ids``: tokens are named ``token_id:N`` (return_tokens_as_token_ids); offsets
+    still count their text."""
     tokens: list[str] = []
     offsets: list[int] = []
     values: list[float | None] = []
     tops: list[dict[str, float] | None] = []
     for tid, lp in zip(token_ids, logprobs, strict=True):
-        token = token_string(token_bytes(tokenizer, tid))
+        text = token_string(token_bytes(tokenizer, tid))
+        token = token_name(tokenizer, tid, as_ids)
         offsets.append(text_offset)
-        text_offset += len(token)
+        text_offset += len(text)
         tokens.append(token)
         if lp is None:
             values.append(None)
             tops.append(None)
             continue
-        top = {token_string(token_bytes(tokenizer, t)): _finite(v) for t, v in lp.top[:num_top]}
+        top = {token_name(tokenizer, t, as_ids): _finite(v) for t, v in lp.top[:num_top]}
         top.setdefault(token, _finite(lp.logprob))
         values.append(_finite(lp.logprob))
         tops.append(top)
@@ -333,20 +343,33 @@ def prompt_logprobs(
 
 
 def chat_logprobs(
-    tokenizer: Tokenizer, token_ids: Sequence[int], logprobs: Sequence[TokenLogprobs]
+    tokenizer: Tokenizer,
+    token_ids: Sequence[int],
+    logprobs: Sequence[TokenLogprobs],
+    as_ids: bool = False,
 ) -> dict[str, Any]:
-    """Chat's ``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+    """Chat's ``{content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}``
+    (``as_ids``: each ``token`` named ``token_id:N``; ``bytes`` stay the token's)."""
     content = []
     for tid, lp in zip(token_ids, logprobs, strict=True):
-        entry = _chat_token(tokenizer, tid, lp.logprob)
-        entry["top_logprobs"] = [_chat_token(tokenizer, t, v) for t, v in lp.top]
+        entry = _chat_token(tokenizer, tid, lp.logprob, as_ids)
+        entry["top_logprobs"] = [_chat_token(tokenizer, t, v, as_ids) for t, v in lp.top]
         content.append(entry)
     return {"content": content}
 
 
-def _chat_token(tokenizer: Tokenizer, token_id: int, logprob: float) -> dict[str, Any]:
+def _chat_token(
+    tokenizer: Tokenizer, token_id: int, logprob: float, as_ids: bool
+) -> dict[str, Any]:
     raw = token_bytes(tokenizer, token_id)
-    return {"token": token_string(raw), "logprob": _finite(logprob), "bytes": list(raw)}
+    name = token_name(tokenizer, token_id, as_ids)
+    return {"token": name, "logprob": _finite(logprob), "bytes": list(raw)}
+
+
+def token_name(tokenizer: Tokenizer, token_id: int, as_ids: bool) -> str:
+    """How logprobs name a token: its text, or ``token_id:N`` (vLLM's
+    ``return_tokens_as_token_ids``)."""
+    return f"token_id:{token_id}" if as_ids else token_string(token_bytes(tokenizer, token_id))
 
 
 def _finite(logprob: float) -> float:

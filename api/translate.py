@@ -102,6 +102,7 @@ class Translator:
             check_model(req.model, [self.model_name])
             check_choices(1, req.n, self.max_choices)
             prompts = [chat_prompt(req, self.tokenizer)]
+            report = PromptReport(token_ids=req.return_tokens_as_token_ids)
         else:
             req = parse_completion(body)
             check_model(req.model, [self.model_name])

@@ -4,10 +4,11 @@ times, or closed loop: clients sending back to back), each one's outcome recorde
 requests are a fixed schedule drawn from the plan's seed, so two runs of a plan send the same
 requests at the same offsets.
 
-A stream's tokens are counted from its ``logprobs`` (every chaos request asks for
-``logprobs: 1``; other callers ask for ``logprobs: 0`` to count them): however the server grouped
-them into events, and in a chaos run they are what is compared with the reference engine (a
-duplicated or missing token shows there).
+A stream's tokens are counted from its ``logprobs`` (every chaos request asks for the top
+``TOP_LOGPROBS`` and for tokens named by id, ``return_tokens_as_token_ids``; other callers ask
+for ``logprobs: 0`` to count them): however the server grouped them into events, and in a chaos
+run they -- ids, logprobs and every top alternative -- are what is compared with the reference
+engine (a changed, duplicated or missing token shows there).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import openai
 from chaos.plan import Load
 
 # Prompts are made of these, so they tokenize like English text.
+TOP_LOGPROBS = 5  # the alternatives every chaos request asks for, all compared with the reference
+
 WORDS = (
     "the of and to in is was for on that with as by at from his her they which this be are "
     "have not or one had an were but all there can their been has when who more if no out so "
@@ -115,7 +118,8 @@ def schedule(load: Load) -> list[Planned]:
             "max_tokens": max_tokens or rng.randint(*p.output_tokens),
             "temperature": kind.temperature,
             "top_p": kind.top_p,
-            "logprobs": 1,
+            "logprobs": TOP_LOGPROBS,
+            "return_tokens_as_token_ids": True,  # compared by id with the reference
             "n": kind.n,
         }
         if kind.seed:

@@ -1,7 +1,11 @@
 """The fault-free answer to each request of a chaos run: an engine on the same checkpoint,
-outside the cluster, given what the ingress would give its workers (the same parsing, prompt
-tokens, sampling parameters and seed), its outputs turned into the completions API's
-``logprobs`` fields by the same function the ingress uses.
+outside the cluster, given each planned body through this module's own small path -- the
+prompt's tokens as the tokenizer encodes the text, the body's sampling fields, choice ``c`` of
+a seeded request drawing stream ``c`` of its seed (docs/design.md#sampling-seeds; a body without
+a seed takes the one the server reported) -- and its outputs written as the API documents its
+completions ``logprobs`` with ``return_tokens_as_token_ids`` (``token_id:N`` names, the sampled
+token among its top, ``-inf`` as -9999.0). Nothing here is the ingress's own code: a bug in its
+parsing, seeding or formatting shows as a mismatch instead of appearing on both sides.
 
 Deterministic serving (docs/design.md#determinism) makes every request's tokens and
 logprobs independent of its batch, so all of them are computed in one batch here.
@@ -9,14 +13,16 @@ logprobs independent of its batch, so all of them are computed in one batch here
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from api import protocol, responses, translate
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.outputs import TokenLogprobs
+from engine.request import FinishReason
+from engine.sampling_params import SamplingParams
 from tandem.topology import Topology
 
 REFERENCE_KV_BYTES = 512 * 2**20
@@ -43,36 +49,59 @@ def expected(
 ) -> list[list[Expected]]:
     """Per request (its body, and the seed the server reported when the body had none), the
     expected output of each of its choices."""
-    tokenizer = engine.tokenizer
     prompts, params, shape = [], [], []
     for body, seed in requests:
-        req = protocol.parse_completion(json.dumps({"model": "m", **body}).encode())
-        [ids] = translate.completion_prompts(req, tokenizer)
-        base = translate.sampling_params(
-            req, vocab_size=tokenizer.vocab_size, default_max_tokens=body["max_tokens"]
+        ids = engine.tokenizer.encode(body["prompt"])
+        n = body.get("n", 1)
+        base = SamplingParams(
+            temperature=body.get("temperature", 1.0),
+            top_p=body.get("top_p", 1.0),
+            max_tokens=body["max_tokens"],
+            stop=tuple(body.get("stop") or ()),
+            seed=body.get("seed", seed),
+            logprobs=body["logprobs"],
         )
-        if base.seed is None and seed is not None:
-            base = replace(base, seed=seed)
-        for i in range(req.n):
+        for choice in range(n):
             prompts.append(ids)
-            params.append(translate.choice_params(base, i))
-        shape.append(req.n)
+            params.append(replace(base, choice=choice))
+        shape.append(n)
     outputs = [out for [out] in engine.generate(prompts, params)]
     answers, at = [], 0
-    for n in shape:
-        answers.append([_expected(engine, out) for out in outputs[at : at + n]])
+    for (body, _), n in zip(requests, shape, strict=True):
+        top = body["logprobs"]
+        answers.append([_expected(out, top) for out in outputs[at : at + n]])
         at += n
     return answers
 
 
-def _expected(engine: LLMEngine, out: Any) -> Expected:
-    fields = responses.completion_logprobs(
-        engine.tokenizer, out.token_ids, out.logprobs or [], num_top=1
-    )
+# OpenAI's finish_reason for how a reference run ends (the API's documented mapping).
+FINISH = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP_TOKEN: "stop",
+    FinishReason.STOP_STRING: "stop",
+    FinishReason.MAX_TOKENS: "length",
+    FinishReason.CONTEXT_LIMIT: "length",
+}
+MIN_LOGPROB = -9999.0  # how the API writes -inf (docs/design.md#sampling)
+
+
+def _expected(out: Any, top: int) -> Expected:
+    names = [f"token_id:{t}" for t in out.token_ids]
+    lps: list[TokenLogprobs] = out.logprobs or []
+    values = [_finite(lp.logprob) for lp in lps]
+    tops: list[dict[str, float] | None] = []
+    for name, lp in zip(names, lps, strict=True):
+        alternatives = {f"token_id:{t}": _finite(v) for t, v in lp.top[:top]}
+        alternatives.setdefault(name, _finite(lp.logprob))
+        tops.append(alternatives)
     return Expected(
         text=out.text,
-        tokens=fields["tokens"],
-        token_logprobs=fields["token_logprobs"],
-        top_logprobs=fields["top_logprobs"],
-        finish_reason=responses.openai_finish_reason(out.finish_reason),
+        tokens=names,
+        token_logprobs=list(values),
+        top_logprobs=tops,
+        finish_reason=FINISH[out.finish_reason],
     )
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB

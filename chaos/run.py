@@ -317,6 +317,7 @@ class ChaosRun:
                     touched=len(hit),
                     touched_ok=sum(r["status"] == "ok" for r in hit),
                     lasted_s=None if e.until is None else e.until - e.at,
+                    router_down=bool(v.router_outages_over(e, events)),
                 )
             )
         return out
@@ -412,13 +413,16 @@ class ChaosRun:
 
 def _late_detections(faults: list[v.FaultRow], c: Checks, heartbeat_s: float) -> list[str]:
     """The faults not detected within their limit: a killed process's, or a hang's (the
-    heartbeat timeout and a margin)."""
+    heartbeat timeout and a margin) -- a kill's too when it was done while the router was
+    down (timed from the router's return)."""
     hang_limit = heartbeat_s + c.max_detect_hang_margin_s
     late = []
     for f in faults:
         limit = {"hang_worker": hang_limit, "partition_host": hang_limit}.get(
             f.kind, c.max_detect_kill_s if f.kind in v.KILLS else None
         )
+        if limit is not None and f.router_down:  # found by its silence to the new router
+            limit = hang_limit
         if limit is not None and (f.detect_s is None or f.detect_s > limit):
             late.append(f"{f.kind} {' '.join(f.workers)}: {f.detect_s}")
     return late

@@ -164,6 +164,17 @@ def recovery_s(
 ROUTER_OUTAGES = ("kill_router", "hang_router")  # no failure detector runs while they last
 
 
+def router_outages_over(event: FaultEvent, events: Sequence[FaultEvent]) -> list[FaultEvent]:
+    """The router kills and pauses going on when ``event`` was done (none detects meanwhile:
+    a restarted router finds a dead worker by its silence, a heartbeat timeout after it
+    starts)."""
+    return [
+        o
+        for o in events
+        if o.kind in ROUTER_OUTAGES and o.until is not None and o.at <= event.at <= o.until
+    ]
+
+
 def detection_s(
     event: FaultEvent, health: list[dict[str, Any]], events: Sequence[FaultEvent] = ()
 ) -> float | None:
@@ -172,11 +183,7 @@ def detection_s(
     process every 5 ms, and the router can learn of it first (its connection closes as the
     process exits). A fault done while the router was down or paused (another of ``events``)
     is timed from when the router was back: no detector runs before."""
-    since = event.at
-    for other in events:
-        if other.kind in ROUTER_OUTAGES and other.until is not None:
-            if other.at <= event.at <= other.until:
-                since = max(since, other.until)
+    since = max([event.at, *(o.until or 0.0 for o in router_outages_over(event, events))])
     marks = [
         h["at"]
         for h in health
@@ -262,6 +269,7 @@ class FaultRow:
     touched: int = 0
     touched_ok: int = 0
     lasted_s: float | None = None  # until the worker was up again / the service answered
+    router_down: bool = False  # done while the router was down or paused: timed from its return
 
 
 @dataclass

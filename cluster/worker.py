@@ -31,7 +31,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import ray
 import torch
@@ -109,6 +109,7 @@ class EngineWorker:
         self._reporter: asyncio.Task[None] | None = None
         self._liveness: asyncio.Task[None] | None = None
         self._engine_read_since: float | None = None  # a read of the engine pending since
+        self._lookup: asyncio.Task[None] | None = None  # of the router, in the background
         # Resyncs asked for (start, readmission, a lost or ignored report) and delivered.
         self._resyncs_asked = 0
         self._resyncs_done = 0
@@ -126,6 +127,33 @@ class EngineWorker:
             except ValueError:  # not (yet) started again under its name
                 return
             self.router = RouterClient(handle)
+
+    async def _look_router_up(self) -> None:
+        """``_find_router`` off the event loop: Ray's lookup is a GCS call that waits while the
+        router restarts, and this loop streams tokens and reports meanwhile (a blocking lookup
+        here kept live workers from a restarted router for seconds)."""
+        if self._router_name is None:
+            return
+        try:
+            lookup = ray.get_actor
+            handle = await asyncio.to_thread(lookup, self._router_name, namespace=self._namespace)
+        except ValueError:  # not (yet) started again under its name
+            self.router = None
+            return
+        self.router = RouterClient(handle)
+
+    def _look_router_up_soon(self) -> None:
+        """Start one lookup in the background; the current handle (if any) stays in use: a
+        restarted actor answers on it."""
+        if self._lookup is None or self._lookup.done():
+            self._lookup = asyncio.get_running_loop().create_task(self._look_router_up())
+
+    @staticmethod
+    def _own_handle() -> Any:
+        """This actor's handle, for the router to probe it by (None outside an actor: tests
+        that drive a worker object directly)."""
+        context = ray.get_runtime_context()
+        return context.current_actor if context.get_actor_id() is not None else None
 
     def kv_address(self) -> str | None:
         return None
@@ -217,7 +245,7 @@ class EngineWorker:
         while True:
             try:
                 if self.router is None:
-                    self._find_router()
+                    await self._look_router_up()
                 address = await self.router.liveness_address() if self.router else None
                 if address is not None:
                     await liveness.hold(address, self.name, self.incarnation)
@@ -263,17 +291,20 @@ class EngineWorker:
             elif loop.time() - reading_since > ENGINE_SILENCE_S:
                 load = None  # a hung engine: fall silent
             if self.router is None:
-                self._find_router()
+                self._look_router_up_soon()
             try:
                 if self.router is not None and load is not None:
-                    if await self.router.report(self.info(), load, events, answered > 0):
+                    resync = answered > 0
+                    me = self._own_handle() if resync else None
+                    if await self.router.report(self.info(), load, events, resync, me):
                         self._resyncs_done = max(self._resyncs_done, answered)
                     else:  # ignored while FAILED: the router's view of us starts over
                         self._resyncs_asked += 1
-            except ActorDiedError:  # gone for good: a new one may take its name
+            except ActorDiedError:  # a crash (Ray may restart it) or gone for good (a new one
+                # may take its name): the old handle is tried again meanwhile
                 logger.warning("%s: the router died; looking it up again", self.name)
                 self._resyncs_asked += 1
-                self._find_router()
+                self._look_router_up_soon()
             except Exception:  # the router restarting: keep trying, then resynchronise
                 if self._resyncs_asked == self._resyncs_done:  # once per outage, not per try
                     logger.warning("%s: report to the router failed", self.name, exc_info=True)

@@ -73,7 +73,12 @@ class RouterAPI(Protocol):
     async def wait_ready(self, timeout_s: float) -> None: ...
     async def key(self) -> str: ...
     async def report(
-        self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent], resync: bool
+        self,
+        info: WorkerInfo,
+        load: WorkerLoad,
+        events: list[KVEvent],
+        resync: bool,
+        handle: Any = None,
     ) -> bool: ...
     async def worker_started(self, name: str, incarnation: str) -> None: ...
     async def worker_failed(self, name: str) -> None: ...
@@ -172,9 +177,16 @@ class RouterClient:
         return self.handle.key.remote()
 
     def report(
-        self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent], resync: bool
+        self,
+        info: WorkerInfo,
+        load: WorkerLoad,
+        events: list[KVEvent],
+        resync: bool,
+        handle: Any = None,
     ) -> ObjectRef[bool]:
-        return self.handle.report.remote(info, load, events, resync)
+        """``handle``: the worker's own actor handle, sent with its resyncs (the router probes
+        it through it, never looking it up: Ray's lookup blocks while an actor restarts)."""
+        return self.handle.report.remote(info, load, events, resync, handle)
 
     def worker_started(self, name: str, incarnation: str) -> ObjectRef[None]:
         return self.handle.worker_started.remote(name, incarnation)

@@ -27,6 +27,7 @@ class LivenessServer:
         self.host = host
         self.on_lost = on_lost
         self.address: str | None = None  # "host:port" once started
+        self.connected: dict[str, str] = {}  # the workers holding a connection: incarnation
         self._server: asyncio.Server | None = None
 
     async def start(self) -> str:
@@ -42,6 +43,7 @@ class LivenessServer:
         except (TimeoutError, ValueError, UnicodeDecodeError, OSError):
             writer.close()
             return
+        self.connected[name] = incarnation
         try:
             while await reader.read(4096):  # nothing more is sent: wait for the end
                 pass
@@ -49,6 +51,8 @@ class LivenessServer:
             pass
         finally:
             writer.close()
+            if self.connected.get(name) == incarnation:
+                del self.connected[name]
         self.on_lost(name, incarnation)
 
 

@@ -7,8 +7,8 @@ What it knows comes from the workers' reports (load + KV events, pushed after ev
 as a heartbeat) and from the coordinator (``worker_failed``). A worker is FAILED when it is
 reported dead or falls silent for ``heartbeat_timeout_s`` of the router's own awake time and does
 not answer a direct probe (router/health.py: the router's pauses are not the workers' silence,
-P16); a restarted router probes every worker at once, so one that died meanwhile is FAILED
-as soon as the router is back. A FAILED worker's index entries are dropped at
+P16); a restarted router gives each worker one heartbeat timeout to report or connect, so
+one that died meanwhile is FAILED then, not left unreported until it returns. A FAILED worker's index entries are dropped at
 once (no credit for cache that is gone, P12), its reports are ignored, and it gets no traffic
 until a health check (``ready()`` on its actor, which Ray restarts) answers; ``ready()`` makes
 the worker resync (CLEARED, then all it holds), so a false alarm costs no credit for cache
@@ -56,7 +56,7 @@ from contracts.routing import (
 from engine.kv_events import KVEvent
 from router.admission import AdmissionQueue, AdmissionRate, Ledger, Waiter, refusal
 from router.config import RouterConfig
-from router.health import Judgement, SilenceWatch
+from router.health import Judgement, Probes, SilenceWatch
 from router.policy import FULL, WAITABLE, choose
 from router.prefix_index import PrefixIndex
 
@@ -65,9 +65,6 @@ HEALTH_CHECK_INTERVAL_S = 0.5
 # How often silences are checked: a silent worker is FAILED at most this long after its
 # heartbeat timeout (a quarter of the timeout, if that is shorter).
 HEARTBEAT_CHECK_S = 0.25
-# A restarted router's probe of each worker: one that does not answer in this long (dead, or
-# being restarted by Ray) is FAILED, within a second of the router being back.
-RESTART_PROBE_TIMEOUT_S = 0.8
 
 
 class RouterActor:
@@ -90,7 +87,7 @@ class RouterActor:
         self.incarnations: dict[str, str] = {}
         self.clock = PauseClock()
         self.silence = SilenceWatch(heartbeat_timeout_s, self.clock)
-        self.ask_worker = self._ask_over_ray  # the probe's call (tests without Ray set theirs)
+        self.probes = Probes(self.silence, heartbeat_timeout_s, self._fail, self._note)
         self.log: deque[dict[str, Any]] = deque(maxlen=1000)
         # Each worker's health transitions, in order: failed (why), checked (its health check
         # answered: it may report again), up (its report was taken). What detection and
@@ -130,7 +127,12 @@ class RouterActor:
     # -- reports -------------------------------------------------------------------------------
 
     async def report(
-        self, info: WorkerInfo, load: WorkerLoad, events: list[KVEvent], resync: bool
+        self,
+        info: WorkerInfo,
+        load: WorkerLoad,
+        events: list[KVEvent],
+        resync: bool,
+        handle: Any = None,
     ) -> bool:
         """Take a worker's report; False if it was ignored (an unknown worker, a FAILED one
         not yet readmitted by its health check, or one this router has no view of yet and
@@ -151,6 +153,8 @@ class RouterActor:
         self.index.apply(name, events)
         state.info = info
         self.silence.heard(name)
+        if handle is not None:
+            self.probes.handles[name] = handle  # what a probe calls, some day
         if not state.healthy:
             self._note(name, "up")
         self._set_healthy(state, True)
@@ -227,8 +231,11 @@ class RouterActor:
         try:
             while True:
                 try:
-                    worker = WorkerClient(ray.get_actor(name, namespace=self.namespace))
-                    info: WorkerInfo = await asyncio.wait_for(worker.ready(), 5.0)
+                    handle = self.probes.handles.get(name)
+                    if handle is None:  # not resynced here yet: looked up off the event loop
+                        lookup = ray.get_actor
+                        handle = await asyncio.to_thread(lookup, name, namespace=self.namespace)
+                    info: WorkerInfo = await asyncio.wait_for(WorkerClient(handle).ready(), 5.0)
                     self.incarnations[name] = info.incarnation
                     self.index.drop_worker(name)
                     self.silence.heard(name)
@@ -250,8 +257,7 @@ class RouterActor:
                 self.liveness = LivenessServer(ray.util.get_node_ip_address(), self._lost)
                 self._liveness_started = loop.create_task(self.liveness.start())
                 if ray.get_runtime_context().was_current_actor_reconstructed:
-                    for name in self.states:  # who died while no router was there to see
-                        loop.create_task(self._probe(name, first_look=True))
+                    loop.create_task(self.probes.first_look(list(self.states), self.liveness))
 
     async def liveness_address(self) -> str | None:
         """Where each worker process holds its connection (contracts/liveness.py)."""
@@ -275,7 +281,8 @@ class RouterActor:
                     continue
                 judged = self.silence.judge(name, mono)
                 if judged is Judgement.PROBE:
-                    asyncio.get_running_loop().create_task(self._probe(name))
+                    probe = self.probes.probe(name, self.incarnations.get(name))
+                    asyncio.get_running_loop().create_task(probe)
                 elif judged is Judgement.FAIL:
                     silent = self.silence.silence_s(name, mono)
                     why = f"silent for {silent:.1f} s, and no answer to a direct probe"
@@ -289,36 +296,6 @@ class RouterActor:
                 if waited > self.config.admission.unavailable_wait_s:
                     self._refuse_unservable(now - since)
             await asyncio.sleep(min(self.heartbeat_timeout_s / 4, HEARTBEAT_CHECK_S))
-
-    async def _probe(self, name: str, first_look: bool = False) -> None:
-        """Ask ``name`` directly whether it is alive and its engine answers: a suspected
-        silence, or a restarted router's ``first_look``. A live, responsive worker is heard (its
-        reports were late); a dead, restarted or unresponsive one is FAILED. No answer leaves a
-        silence to the monitor; on a first look, no answer within RESTART_PROBE_TIMEOUT_S from
-        a worker not heard from yet FAILs it."""
-        known = self.incarnations.get(name)
-        timeout_s = RESTART_PROBE_TIMEOUT_S if first_look else self.heartbeat_timeout_s
-        try:
-            incarnation, responsive = await asyncio.wait_for(self.ask_worker(name), timeout_s)
-        except TimeoutError:
-            if first_look and name not in self.silence.last_seen:
-                self._fail(name, "no answer to the restarted router", DetectedBy.PROBE)
-            return
-        except Exception as exc:  # the actor is dead, or Ray is restarting it
-            self._fail(name, f"a direct probe failed: {type(exc).__name__}", DetectedBy.PROBE)
-            return
-        if known is not None and incarnation != known:
-            self._fail(name, "restarted", DetectedBy.RESTART)
-        elif not responsive:
-            self._fail(name, "its engine does not answer", DetectedBy.PROBE)
-        elif name in self.silence.probes:
-            self.silence.heard(name)  # alive: its reports were late, not missing
-            self._note(name, "probed", "silent, but answered a direct probe")
-
-    async def _ask_over_ray(self, name: str) -> tuple[str, bool]:
-        if not ray.is_initialized():  # a router under test without Ray: nobody answers
-            await asyncio.Event().wait()
-        return await WorkerClient(ray.get_actor(name, namespace=self.namespace)).probe()
 
     # -- admission and decisions ---------------------------------------------------------------
 

@@ -9,19 +9,34 @@ probe that answers clears the suspicion (the reports were late, the worker is fi
 fails outright (the actor is dead, its engine silent) fails it at once. So a silence is never
 turned into a FAILED mark, and a request never failed over one, on the router's word alone.
 
-Plain bookkeeping with the clock passed in: the actor sends the probes.
+``SilenceWatch`` is plain bookkeeping with the clock passed in; ``Probes`` sends the probes
+(through the handle each worker sent with its resync) and a restarted router's first look.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from enum import Enum
+from typing import Any
 
+import ray
+
+from contracts.actors import WorkerClient
+from contracts.liveness import LivenessServer
 from contracts.pause import PauseClock
+from contracts.routing import DetectedBy
 
 # A probe must have had at least this long to answer before its silence fails a worker (it is
 # normally sent half a timeout earlier; after a pause the silence and the probe start over).
 PROBE_MIN_WAIT_S = 0.5
+
+
+# A restarted router waits at least this long for live workers to reach it: Ray tells their
+# processes where the restarted actor is only then -- 2.75 s after it answered, here (two busy
+# cores); a 0.8 s and a 2 s look blamed live workers.
+FIRST_LOOK_MIN_S = 5.0
 
 
 class Judgement(Enum):
@@ -69,3 +84,64 @@ class SilenceWatch:
         if silent > self.timeout_s and now - sent >= min(PROBE_MIN_WAIT_S, self.timeout_s / 2):
             return Judgement.FAIL
         return Judgement.FINE
+
+
+class Probes:
+    """The router's direct questions to its workers. ``fail(name, why, how)`` marks a worker
+    FAILED, ``note(name, event, why)`` logs a health event (the actor's)."""
+
+    def __init__(
+        self,
+        silence: SilenceWatch,
+        timeout_s: float,
+        fail: Callable[[str, str, DetectedBy], None],
+        note: Callable[[str, str, str], None],
+    ) -> None:
+        self.silence = silence
+        self.timeout_s = timeout_s
+        self.fail = fail
+        self.note = note
+        # Each worker's actor handle, as it sent it with its resync: never looked up (Ray's
+        # lookup is a GCS call that holds its caller while the actor restarts).
+        self.handles: dict[str, Any] = {}
+        self.ask: Callable[[str], Awaitable[tuple[str, bool]]] = self._ask_over_ray  # (tests)
+
+    async def probe(self, name: str, known: str | None) -> None:
+        """Ask a silent ``name`` (incarnation ``known``) whether it is alive and its engine
+        answers. A live, responsive worker is heard (its reports were late); a dead, restarted
+        or unresponsive one is FAILED; no answer leaves it to the monitor (FAILED at the
+        timeout)."""
+        try:
+            incarnation, responsive = await asyncio.wait_for(self.ask(name), self.timeout_s)
+        except TimeoutError:
+            return
+        except Exception as exc:  # the actor is dead, or Ray is restarting it
+            self.fail(name, f"a direct probe failed: {type(exc).__name__}", DetectedBy.PROBE)
+            return
+        if known is not None and incarnation != known:
+            self.fail(name, "restarted", DetectedBy.RESTART)
+        elif not responsive:
+            self.fail(name, "its engine does not answer", DetectedBy.PROBE)
+        elif name in self.silence.probes:
+            self.silence.heard(name)  # alive: its reports were late, not missing
+            self.note(name, "probed", "silent, but answered a direct probe")
+
+    async def first_look(self, names: list[str], liveness: LivenessServer | None) -> None:
+        """A restarted router: no detector ran while it was down. A live worker finds it --
+        its report is answered (it resyncs) and it connects its liveness connection again --
+        so one that has done neither within a heartbeat timeout (at least FIRST_LOOK_MIN_S) of
+        the router's start is dead or being restarted by Ray: FAILED then, not left unreported
+        until it returns."""
+        wait_s = max(self.timeout_s, FIRST_LOOK_MIN_S)
+        await asyncio.sleep(wait_s)
+        for name in names:
+            connected = liveness is not None and name in liveness.connected
+            if name not in self.silence.last_seen and not connected:
+                why = f"neither reported nor connected to the restarted router in {wait_s:g} s"
+                self.fail(name, why, DetectedBy.PROBE)
+
+    async def _ask_over_ray(self, name: str) -> tuple[str, bool]:
+        handle = self.handles.get(name) if ray.is_initialized() else None
+        if handle is None:  # no Ray (a router under test), or it never resynced here
+            await asyncio.Event().wait()
+        return await WorkerClient(handle).probe()

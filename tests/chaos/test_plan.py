@@ -96,7 +96,8 @@ def test_the_schedule_is_the_plans_and_the_same_every_time() -> None:
     assert 450 < len(a) < 750  # ~20/s for 30 s
     assert all(0 < p.send_at <= 30 for p in a)
     assert [p.send_at for p in a] == sorted(p.send_at for p in a)
-    assert all(5 <= p.body["max_tokens"] <= 7 and p.body["logprobs"] == 1 for p in a)
+    assert all(5 <= p.body["max_tokens"] <= 7 and p.body["logprobs"] == 5 for p in a)
+    assert all(p.body["return_tokens_as_token_ids"] is True for p in a)  # compared by id
     seeded = [p for p in a if p.body["temperature"] > 0]
     assert seeded and all("seed" in p.body for p in seeded)
     assert not any("seed" in p.body for p in a if p.body["temperature"] == 0)

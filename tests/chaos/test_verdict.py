@@ -14,6 +14,7 @@ from chaos.verdict import (
     RECOVERY_WINDOW_S,
     Attempt,
     detection_s,
+    false_alarms,
     mismatch,
     recovery_s,
     stranded,
@@ -50,6 +51,14 @@ def test_a_complete_answer_must_equal_the_reference() -> None:
     assert mismatch(duplicated, [WANT]) == "choice 0: tokens differ from token 2"
     assert mismatch(got(3, token_logprobs=[-0.5, -1.2500001, -0.125]), [WANT]) == (
         "choice 0: token_logprobs differ from token 1"
+    )
+    # Any top alternative, not only the most likely: one logprob of a lower-ranked token.
+    tops = [{"a": -0.5, " b": -2.0}, {" bc": -1.25}, {" d": -0.125}]
+    want_tops = Expected(**{**vars(WANT), "top_logprobs": tops})
+    assert mismatch(got(3, top_logprobs=tops), [want_tops]) is None
+    changed = [{"a": -0.5, " b": -2.0000005}, {" bc": -1.25}, {" d": -0.125}]
+    assert mismatch(got(3, top_logprobs=changed), [want_tops]) == (
+        "choice 0: top_logprobs differ from token 0"
     )
     assert mismatch(got(3, finish_reason="stop"), [WANT]) == (
         "choice 0: text or finish_reason differ"
@@ -139,6 +148,29 @@ def test_detection_is_the_first_failed_mark_of_the_faults_worker_after_it() -> N
     early = [{"worker": "decode-0", "event": "failed", "why": "exited", "at": 99.98}]
     assert detection_s(event, early) == 0.0  # within the death watch's polling
     assert detection_s(FaultEvent("kill_worker", 100.0, ["prefill-0"]), health) is None
+    # Killed while the router was down (100-103): timed from the router's return.
+    router = FaultEvent("kill_router", 99.0, everyone=True, until=103.0)
+    marked = [{"worker": "decode-0", "event": "failed", "why": "silent", "at": 105.5}]
+    assert detection_s(event, marked, [router]) == pytest.approx(2.5)
+    assert detection_s(event, marked, [FaultEvent("kill_router", 90.0, until=95.0)]) == 5.5
+
+
+def test_a_failed_mark_no_fault_explains_is_a_false_alarm() -> None:
+    """A worker marked FAILED before any fault hit it, or that no fault hit at all, was blamed
+    for something else (the router's own pause, a load); a fault's own marks are not."""
+    events = [FaultEvent("kill_worker", 100.0, ["decode-0"]), FaultEvent("hang_router", 10.0)]
+    health = [
+        {"worker": "prefill-0", "event": "failed", "why": "silent for 10.1 s", "at": 20.0},
+        {"worker": "decode-0", "event": "failed", "why": "silent for 10.1 s", "at": 20.1},
+        {"worker": "decode-0", "event": "up", "why": "", "at": 21.0},
+        {"worker": "decode-0", "event": "failed", "why": "its process exited", "at": 100.04},
+        {"worker": "decode-0", "event": "failed", "why": "restarted", "at": 104.0},
+    ]
+    assert false_alarms(events, health) == [
+        "prefill-0 (silent for 10.1 s)",
+        "decode-0 (silent for 10.1 s)",
+    ]
+    assert false_alarms(events, health[3:]) == []
 
 
 def record(

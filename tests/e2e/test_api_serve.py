@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, token_bytes
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-llama"
@@ -212,6 +212,43 @@ def test_logprobs_match_the_engine(
     assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
     assert lp.token_logprobs == pytest.approx([x.logprob for x in want.logprobs], abs=1e-4)
     assert [len(t) for t in lp.top_logprobs] == [2] * 5
+
+
+def test_tokens_as_token_ids_name_the_engines_tokens_exactly(
+    client: openai.OpenAI, engine: LLMEngine, tok: Tokenizer
+) -> None:
+    """vLLM's ``return_tokens_as_token_ids``: every token in logprobs (sampled and top-k, both
+    endpoints, streamed or not) is ``token_id:N`` with the engine's own ids; text unchanged."""
+    prompt = "Token ids of"
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
+    want = expected(engine, tok.encode(prompt), params)
+    ids = [f"token_id:{t}" for t in want.token_ids]
+    tops = [
+        {f"token_id:{t}" for t, _ in lp.top[:3]} | {i}
+        for lp, i in zip(want.logprobs, ids, strict=True)
+    ]
+    extra = {"ignore_eos": True, "return_tokens_as_token_ids": True}
+    args: dict[str, Any] = {"model": MODEL, "max_tokens": 5, "temperature": 0, "extra_body": extra}
+    out = client.completions.create(prompt=prompt, logprobs=3, **args)
+    lp = out.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None and out.choices[0].text == want.text
+    assert lp.tokens == ids and [set(t) for t in lp.top_logprobs] == tops
+    streamed = list(client.completions.create(prompt=prompt, logprobs=3, stream=True, **args))
+    assert [
+        t for c in streamed if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens or []
+    ] == ids
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": prompt}], logprobs=True, top_logprobs=3, **args
+    )
+    content = chat.choices[0].logprobs.content if chat.choices[0].logprobs else None
+    assert content is not None and all(e.token.startswith("token_id:") for e in content)
+    named = [int(e.token.split(":")[1]) for e in content]
+    assert [bytes(e.bytes or []) for e in content] == [token_bytes(tok, t) for t in named]
+    assert all(len(e.top_logprobs) == 3 for e in content)
+    plain = client.completions.create(
+        prompt=prompt, logprobs=3, **{**args, "extra_body": {"ignore_eos": True}}
+    )
+    assert plain.choices[0].logprobs is not None and plain.choices[0].logprobs.tokens != ids
 
 
 def test_echo_scores_a_generation_as_it_was_generated(

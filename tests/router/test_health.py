@@ -98,7 +98,7 @@ def _silent_router(answer: object) -> RouterActor:
             raise answer
         return answer  # type: ignore[return-value]
 
-    actor.ask_worker = ask
+    actor.probes.ask = ask
     return actor
 
 
