@@ -240,7 +240,7 @@ class ChaosRun:
         faults = self._fault_rows(events, outcomes, rows, start, load_end)
         strand = v.stranded(events, self.attempts, records, self._block_size())
         checks = self._checks(
-            plan, outcomes, rows, faults, events, leaks, records, strand, requests_total
+            plan, outcomes, rows, faults, events, leaks, records, strand, requests_total, start
         )
         counts = dict(Counter(o.status for o in outcomes))
         judged = [r for r in rows if not r["planned_cancel"] and not r["storm"]]
@@ -333,6 +333,7 @@ class ChaosRun:
         records: dict[str, list[dict[str, Any]]],
         strand: v.Stranded,
         requests_total: tuple[float | None, float | None],
+        start: float,
     ) -> list[v.Check]:
         c = self.plan.checks
         hung = sum(r["status"] == "hung" for r in rows)
@@ -346,7 +347,7 @@ class ChaosRun:
         late = _late_detections(faults, c, heartbeat)
         worst = max((f.detect_s for f in faults if f.detect_s is not None), default=0.0)
         repeated = _repeated(records)
-        blamed = v.false_alarms(events, self.health)
+        blamed = v.false_alarms(events, [h for h in self.health if h["at"] >= start])
         failed = sum(r["status"] == "error" for r in judged)
         checks = [
             v.Check("no request hung", hung <= c.max_hung, f"{hung} hung", f"<= {c.max_hung}"),

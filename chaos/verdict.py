@@ -193,8 +193,9 @@ def detection_s(
 
 
 def false_alarms(events: list[FaultEvent], health: list[dict[str, Any]]) -> list[str]:
-    """The router's FAILED marks of workers no fault had hit by then: a healthy worker blamed
-    (for the router's own pause, a load, another worker's fault). "name (why)" each."""
+    """The router's FAILED marks (``health``: those of this run) of workers no fault had hit
+    by then: a healthy worker blamed (for the router's own pause, a load, another worker's
+    fault). "name (why)" each."""
     return [
         f"{h['worker']} ({h['why']})"
         for h in health

@@ -183,5 +183,6 @@ def test_a_paused_and_starved_router_fails_no_request_and_blames_no_worker(
     counts = report["counts"]
     assert counts.get("error", 0) == 0 and counts.get("hung", 0) == 0
     assert counts["ok"] == counts["requests"] and counts["mismatched"] == 0
-    assert not [h for h in report["health"] if h["event"] == "failed"], report["health"]
+    marks = [h for h in report["health"] if h["event"] == "failed" and h["t"] >= 0]
+    assert not marks, marks  # (the smoke plan's kills before this run are in the log too)
     assert (run["after"][0] - run["before"][0]) == 0  # tandem_worker_failures_detected_total
