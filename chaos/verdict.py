@@ -162,16 +162,19 @@ def recovery_s(
 
 
 ROUTER_OUTAGES = ("kill_router", "hang_router")  # no failure detector runs while they last
+KILL_NOTICE_S = 1.0  # how soon a router marks a killed worker (its liveness connection closes)
 
 
 def router_outages_over(event: FaultEvent, events: Sequence[FaultEvent]) -> list[FaultEvent]:
-    """The router kills and pauses going on when ``event`` was done (none detects meanwhile:
-    a restarted router finds a dead worker by its silence, a heartbeat timeout after it
-    starts)."""
+    """The router kills and pauses going on when ``event`` was done, or begun within
+    ``KILL_NOTICE_S`` after it (the router died before it could mark it): none detects
+    meanwhile; a restarted router finds a dead worker by its silence, after its first look."""
     return [
         o
         for o in events
-        if o.kind in ROUTER_OUTAGES and o.until is not None and o.at <= event.at <= o.until
+        if o.kind in ROUTER_OUTAGES
+        and o.until is not None
+        and o.at - KILL_NOTICE_S <= event.at <= o.until
     ]
 
 

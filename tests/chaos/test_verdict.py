@@ -153,6 +153,9 @@ def test_detection_is_the_first_failed_mark_of_the_faults_worker_after_it() -> N
     marked = [{"worker": "decode-0", "event": "failed", "why": "silent", "at": 105.5}]
     assert detection_s(event, marked, [router]) == pytest.approx(2.5)
     assert detection_s(event, marked, [FaultEvent("kill_router", 90.0, until=95.0)]) == 5.5
+    # The router killed just after the worker: it may have died before marking it.
+    late_router = FaultEvent("kill_router", 100.5, everyone=True, until=103.0)
+    assert detection_s(event, marked, [late_router]) == pytest.approx(2.5)
 
 
 def test_a_failed_mark_no_fault_explains_is_a_false_alarm() -> None:
