@@ -256,7 +256,8 @@ class RouterActor:
             if ray.is_initialized():  # (a router under test without Ray has no processes)
                 self.liveness = LivenessServer(ray.util.get_node_ip_address(), self._lost)
                 self._liveness_started = loop.create_task(self.liveness.start())
-                if ray.get_runtime_context().was_current_actor_reconstructed:
+                context = ray.get_runtime_context()
+                if context.get_actor_id() is not None and context.was_current_actor_reconstructed:
                     loop.create_task(self.probes.first_look(list(self.states), self.liveness))
 
     async def liveness_address(self) -> str | None:

@@ -4,10 +4,10 @@ A worker is FAILED for silence only when two things agree: it sent no report for
 ``timeout_s`` **of the router's own awake time** (a pause of the router -- SIGSTOP, a long GC, a
 starved CPU -- restarts every silence from the moment it ends: ``contracts.pause``), and a probe
 sent to it directly, at half the timeout, went unanswered for at least ``PROBE_MIN_WAIT_S`` (or
-half the timeout, if shorter). A
-probe that answers clears the suspicion (the reports were late, the worker is fine); one that
-fails outright (the actor is dead, its engine silent) fails it at once. So a silence is never
-turned into a FAILED mark, and a request never failed over one, on the router's word alone.
+half the timeout, if shorter). A probe that answers clears the suspicion (the reports were
+late, the worker is fine); one that fails outright (the actor is dead, its engine silent) fails
+it at once. So a silence is never turned into a FAILED mark, and a request never failed over
+one, on the router's word alone.
 
 ``SilenceWatch`` is plain bookkeeping with the clock passed in; ``Probes`` sends the probes
 (through the handle each worker sent with its resync) and a restarted router's first look.
@@ -31,7 +31,6 @@ from contracts.routing import DetectedBy
 # A probe must have had at least this long to answer before its silence fails a worker (it is
 # normally sent half a timeout earlier; after a pause the silence and the probe start over).
 PROBE_MIN_WAIT_S = 0.5
-
 
 # A restarted router waits at least this long for live workers to reach it: Ray tells their
 # processes where the restarted actor is only then -- 2.75 s after it answered, here (two busy

@@ -52,7 +52,8 @@ SEEDED = SamplingParams(
     temperature=0.8, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True, logprobs=2
 )
 _ids = itertools.count()
-ISSUED: list[str] = []  # every client request id collect() sent: each must get one record
+# Every client request id collect() sent, by cluster (its coordinator): each gets one record.
+ISSUED: dict[int, list[str]] = {}
 
 
 # One loop for the module: Ray's async handles and the coordinator live across tests.
@@ -102,7 +103,7 @@ async def collect_with_logprobs(
     c: Cluster, tokens: list[int], params: SamplingParams, **kw: Any
 ) -> tuple[list[int], list[TokenLogprobs]]:
     spec = EngineRequest(f"r{next(_ids)}", tuple(tokens), params, arrival_time=time.time(), **kw)
-    ISSUED.append(spec.request_id)
+    ISSUED.setdefault(id(c.coordinator), []).append(spec.request_id)
     deltas: list[TokenDelta] = [d async for d in c.coordinator.generate(spec)]
     assert [d.finished for d in deltas].count(True) == 1 and deltas[-1].finished
     ids = [t for d in deltas for t in d.token_ids]
@@ -123,7 +124,7 @@ async def assert_clean(c: Cluster) -> None:
                 await asyncio.sleep(0.2)
     ids = Counter(r.request_id for r in c.coordinator.records)
     assert all(n == 1 for n in ids.values()), [i for i, n in ids.items() if n > 1]
-    lost = [i for i in ISSUED if i not in ids]
+    lost = [i for i in ISSUED.get(id(c.coordinator), []) if i not in ids]
     assert not lost, f"requests without a terminal record: {lost}"
     while not all(w.healthy for w in await c.router.worker_states()):
         await asyncio.sleep(0.1)
