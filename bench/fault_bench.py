@@ -6,7 +6,8 @@
 ``tandem serve`` (the default topology, or ``--topology``) is started from ``--repo`` (a
 checkout of some version of Tandem, default this one, run with this venv), and for each fault
 in turn: ``--clients`` clients stream completions back to back (128 tokens, greedy,
-``ignore_eos``) while a poller GETs ``/v1/models`` every 100 ms; after ``--warmup-s`` the fault
+``ignore_eos``) while pollers send a 1-token completion (through the router), ``GET /health``
+and ``GET /v1/models`` every 100 ms each (chaos.probe.Poller); after ``--warmup-s`` the fault
 is injected with SIGKILL (Ray restarts what it runs):
 
 - ``router``: the router actor's process;
@@ -19,7 +20,10 @@ on a restarting dependency gets the ingress replaced seconds later), then until 
 seen ``--settle-s`` of answers in a row and every request started by then has ended (at most
 ``--max-window-s``). Per fault:
 
-- **outage s**: time the port refused connections or answered 5xx (poll to poll);
+- **outage s**: time a 1-token completion sent then failed, or was not answered within 1 s
+  (the completion poller's, poll to poll: it sees a router outage); **health** and **models**
+  the same for ``GET /health`` (503 while nothing can serve) and ``GET /v1/models`` (the
+  ingress alone answers it: it sees only the port);
 - **failed**: requests that did not get all their tokens: as an HTTP error status before any
   token (with or without Retry-After), as a 200 cut by an error event, or as a connection
   broken after it was made; out of the requests of the window that reached the server;
@@ -39,10 +43,8 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +53,7 @@ import requests
 from bench.served_bench import stop, wait_healthy
 from chaos.inject import ray_processes
 from chaos.load import InThread, Outcome, Sender, requests_of, send_one
+from chaos.probe import Poller
 from tandem.serve import wait_port_free
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,30 +90,6 @@ def complete(o: Outcome, max_tokens: int) -> bool:
     return o.status == "ok" and o.num_tokens >= max_tokens
 
 
-@dataclass
-class Poll:
-    times: list[float] = field(default_factory=list)
-    ok: list[bool] = field(default_factory=list)
-
-    def outage_s(self, since: float) -> float:
-        """Seconds after ``since`` during which the port did not answer, or answered 5xx."""
-        total = 0.0
-        for i in range(len(self.times) - 1):
-            if self.times[i] >= since and not self.ok[i]:
-                total += self.times[i + 1] - self.times[i]
-        return total
-
-
-def poll(url: str, out: Poll, stop_event: threading.Event) -> None:
-    while not stop_event.wait(0.1):
-        try:
-            good = requests.get(f"{url}/v1/models", timeout=2).status_code < 500
-        except requests.RequestException:
-            good = False
-        out.times.append(time.time())
-        out.ok.append(good)
-
-
 def inject(fault: str, server_pid: int) -> list[int]:
     title, count = TITLES[fault]
     pids = ray_processes(title, server_pid)[:count]
@@ -122,8 +101,6 @@ def inject(fault: str, server_pid: int) -> list[int]:
 
 
 def run_fault(url: str, fault: str, server_pid: int, a: argparse.Namespace) -> dict[str, Any]:
-    stop_event = threading.Event()
-    polled = Poll()
     prompt = "The control plane survives its own faults. " * 4
     model = Path(a.model).name  # tandem serve names the model after its directory
 
@@ -133,26 +110,25 @@ def run_fault(url: str, fault: str, server_pid: int, a: argparse.Namespace) -> d
 
     sender = Sender(url, model, hang_bound_s=300.0)
     load = InThread(sender, requests_of(bodies()), a.clients, a.max_window_s + a.warmup_s)
-    poller = threading.Thread(target=poll, args=(url, polled, stop_event), daemon=True)
-    poller.start()
+    poller = Poller(url, model)
+    completions = poller.polls["completion"]
     time.sleep(a.warmup_s)
     fault_at = time.time()
     pids = inject(fault, server_pid)
     log(f"{fault}: killed {pids}")
     # At least --min-window-s (a fault's effects can come late: a health check that fails on
     # a restarting dependency gets the ingress replaced seconds after), then until the port
-    # has answered for --settle-s in a row.
+    # has answered completions for --settle-s in a row.
     while time.time() - fault_at < a.max_window_s:
         time.sleep(0.5)
         if time.time() - fault_at < a.min_window_s:
             continue
-        recent = [ok for t, ok in zip(polled.times, polled.ok, strict=False) if t > fault_at]
-        tail = int(a.settle_s / 0.1)
-        if len(recent) > tail and all(recent[-tail:]):
+        since = time.time() - a.settle_s
+        recent = [g for t, g in zip(completions.sent, completions.good, strict=False) if t > since]
+        if recent and all(recent) and completions.sent[0] < since:
             break
-    stop_event.set()
     outcomes = load.join(timeout_s=300)
-    poller.join(timeout=10)
+    polls = poller.stop()
     after = [o.first_token for o in outcomes if (o.sent or 0) > fault_at and o.first_token]
     sent = [o for o in outcomes if not o.refused]
     failed = [o for o in sent if not complete(o, a.max_tokens)]
@@ -171,7 +147,19 @@ def run_fault(url: str, fault: str, server_pid: int, a: argparse.Namespace) -> d
         "failed_with_retry_after": sum(o.retry_after is not None for o in failed),
         "failed_cut_after_200": len(failed) - len(before_token) - len(connection),
         "failed_connection": len(connection),
-        "outage_s": round(polled.outage_s(fault_at), 2),
+        "outage_s": round(polls["completion"].outage_s(fault_at), 2),
+        "health_outage_s": round(polls["health"].outage_s(fault_at), 2),
+        "models_outage_s": round(polls["models"].outage_s(fault_at), 2),
+        "polls": {
+            path: {
+                "answered": p.answered,
+                "refused": p.refused,
+                "server_errors": p.server_errors,
+                "slow": p.slow,
+                "bad_after_fault": p.bad(fault_at),
+            }
+            for path, p in polls.items()
+        },
         "routing_back_s": round(min(after) - fault_at, 2) if after else None,
         "window_s": round(time.time() - fault_at, 1),
         "errors": sorted({o.error or f"{o.num_tokens} of {a.max_tokens} tokens" for o in failed})[
@@ -238,14 +226,16 @@ def main() -> None:
 
 
 def report(rows: list[dict[str, Any]], label: str, args: dict[str, Any]) -> None:
-    head = f"{'fault':<14}{'outage s':>9}{'failed':>8}{'of':>5}{'status':>8}{'cut':>5}"
+    head = f"{'fault':<14}{'outage s':>9}{'health':>7}{'models':>7}{'failed':>8}{'of':>5}"
+    head += f"{'status':>8}{'cut':>5}"
     head += f"{'conn':>6}{'refused':>9}{'routing back s':>16}"
     print(f"\nTandem ({label}): SIGKILL per fault, {args['clients']} streaming clients")
     print(head)
     for r in rows:
         back = "-" if r["routing_back_s"] is None else f"{r['routing_back_s']:.2f}"
         print(
-            f"{r['fault']:<14}{r['outage_s']:>9.1f}{r['failed']:>8}{r['requests']:>5}"
+            f"{r['fault']:<14}{r['outage_s']:>9.1f}{r['health_outage_s']:>7.1f}"
+            f"{r['models_outage_s']:>7.1f}{r['failed']:>8}{r['requests']:>5}"
             f"{r['failed_status_before_token']:>8}{r['failed_cut_after_200']:>5}"
             f"{r['failed_connection']:>6}{r['refused_connections']:>9}{back:>16}"
         )
@@ -264,7 +254,7 @@ def plot(rows: list[dict[str, Any]], label: str, path: Path) -> None:
     faults = [r["fault"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.bar(faults, [r["outage_s"] for r in rows], color="tab:red")
-    left.set_ylabel("outage (s): refused or 5xx at the port")
+    left.set_ylabel("outage (s): a 1-token completion failed or > 1 s")
     right.bar(faults, [r["failed"] for r in rows], color="tab:orange", label="failed")
     right.bar(faults, [r["requests"] - r["failed"] for r in rows], bottom=[r["failed"] for r in rows],
               color="tab:green", label="complete")  # fmt: skip

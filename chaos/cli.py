@@ -30,6 +30,14 @@ def add_command(sub: Any) -> None:
         metavar="N",
         help="on a test bed of N hosts started for the run (root; default topology testbed.yaml)",
     )
+    ch_run.add_argument(
+        "--sabotage",
+        default=None,
+        metavar="KIND[,KIND]",
+        help="a self-test of the harness: plant these violations (token, logprob, drop, "
+        "duplicate, leak, lost_record, double_record, hang, fail; or all) in the cluster; "
+        "exit 0 when the verdict caught each one",
+    )
     ch_run.add_argument("--on-bed", action="store_true", help=argparse.SUPPRESS)
     ch_run.set_defaults(func=run)
     ch_plans = ch_sub.add_parser("plans", help="the shipped plans, a line each")
@@ -44,7 +52,7 @@ def run(a: argparse.Namespace) -> int:
     default = bed_topology if a.testbed is not None else DEFAULT_TOPOLOGY
     topology = Path(a.topology) if a.topology else default
     out = Path(a.out) if a.out else None
-    return run_command(a.plan, topology, a.address, a.url, out, a.testbed, a.on_bed)
+    return run_command(a.plan, topology, a.address, a.url, out, a.testbed, a.on_bed, a.sabotage)
 
 
 def plans(a: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 
 from chaos.plan import ChaosPlan, load_plan, shipped_plans
 from chaos.report import write_report
+from chaos.sabotage import Kind, parse
 from chaos.verdict import Summary
 from tandem.topology import load_topology
 
@@ -23,14 +24,20 @@ def say(line: str) -> None:
 
 
 def run_against(
-    plan: ChaosPlan, topology_file: Path, url: str, out: Path, bed: Any = None
+    plan: ChaosPlan,
+    topology_file: Path,
+    url: str,
+    out: Path,
+    bed: Any = None,
+    sabotage: list[Kind] | None = None,
 ) -> Summary:
     """Run ``plan`` against the Tandem at ``url`` (this process already joined to its Ray
-    cluster), write the report into ``out``. ``bed``: the test bed it runs on (host faults)."""
+    cluster), write the report into ``out``. ``bed``: the test bed it runs on (host faults);
+    ``sabotage``: the violations a self-test plants (chaos.sabotage)."""
     from chaos.run import ChaosRun
 
     topology = load_topology(topology_file)
-    run = ChaosRun(plan, topology, url, say, bed)
+    run = ChaosRun(plan, topology, url, say, bed, sabotage)
     summary = asyncio.run(run.run())
     for path in write_report(summary, out):
         say(f"wrote {path}")
@@ -45,10 +52,15 @@ def run_command(
     out: Path | None,
     testbed_nodes: int | None = None,
     on_bed: bool = False,
+    sabotage: str | None = None,
 ) -> int:
-    """The CLI: 0 when every check passed, 1 when one failed."""
+    """The CLI: 0 when every check passed, 1 when one failed. A self-test (``sabotage``): 0
+    when the verdict caught each planted violation, 1 when it missed one."""
+    kinds = parse(sabotage) if sabotage else None
     plan = load_plan(plan_file)
     out = out or Path("chaos-reports") / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if testbed_nodes is not None and kinds:
+        raise ValueError("--sabotage runs on a local cluster or one at --address, not --testbed")
     if testbed_nodes is not None:
         return run_on_bed(plan_file, testbed_nodes, topology_file, out)
     if plan.testbed and not on_bed:
@@ -72,7 +84,8 @@ def run_command(
     try:
         wait_until_ready(url)
         say(f"running plan {plan.name} against {url}")
-        summary = run_against(plan, topology_file, url, out, testbed.load() if on_bed else None)
+        bed = testbed.load() if on_bed else None
+        summary = run_against(plan, topology_file, url, out, bed, kinds)
     finally:
         if started:
             serve.shutdown()
@@ -81,6 +94,12 @@ def run_command(
     for check in summary.checks:
         say(f"{'pass' if check.passed else 'FAIL'}  {check.name}: {check.measured}")
     say(f"verdict: {'PASS' if summary.verdict else 'FAIL'}  ({out / 'report.md'})")
+    if kinds:
+        for p in summary.sabotage:
+            say(f"{'caught' if p['caught'] else 'MISSED'}  sabotage {p['kind']}: {p['how']}")
+        caught = all(p["caught"] for p in summary.sabotage) and not summary.verdict
+        say(f"self-test: {'every planted violation was caught' if caught else 'FAIL'}")
+        return 0 if caught else 1
     return 0 if summary.verdict else 1
 
 

@@ -60,6 +60,7 @@ def expected(
             stop=tuple(body.get("stop") or ()),
             seed=body.get("seed", seed),
             logprobs=body["logprobs"],
+            ignore_eos=body.get("ignore_eos", False),
         )
         for choice in range(n):
             prompts.append(ids)

@@ -77,6 +77,19 @@ def markdown(s: Summary) -> str:
         "",
         "![timeline](timeline.png)",
     ]
+    if s.sabotage:
+        lines += [
+            "",
+            "## Self-test: the sabotage planted",
+            "",
+            "| kind | worker | attempt | caught | how |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {p['kind']} | {p['worker']} | {p['attempt']} | "
+            f"{'yes' if p['caught'] else '**MISSED**'} | {p['how']} |"
+            for p in s.sabotage
+        ]
     if s.failures:
         lines += ["", "## First failures", ""]
         lines += [f"- `{json.dumps(f, default=str)}`" for f in s.failures[:20]]

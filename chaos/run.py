@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from chaos import sabotage as sab
 from chaos import verdict as v
 from chaos.inject import FaultEvent, InjectError, Injector, Worker
 from chaos.injections import INJECTIONS
@@ -30,11 +31,17 @@ from chaos.reference import Expected, expected, reference_engine
 from contracts.actors import RouterClient, WorkerClient
 from contracts.roles import NAMESPACE, ROUTER_NAME
 from router.health import FIRST_LOOK_MIN_S
-from tandem.launch import model_dir_of
+from tandem.launch import cluster_key, model_dir_of
 from tandem.testbed import Testbed
 from tandem.topology import Topology
 
 Say = Callable[[str], None]
+
+
+class ClusterMismatch(ValueError):
+    """The cluster a run joined was not started from its topology and model."""
+
+
 POLL_S = 0.5
 WARMUP_S = 5.0  # the first seconds of load are not a steady window
 
@@ -50,6 +57,7 @@ class ChaosRun:
         url: str,
         say: Say,
         bed: Testbed | None = None,
+        sabotage: list[sab.Kind] | None = None,
     ) -> None:
         self.plan = plan
         self.topology = topology
@@ -69,11 +77,17 @@ class ChaosRun:
         self.attempts: dict[str, v.Attempt] = {}
         self.inject_errors: list[str] = []
         self.health: list[dict[str, Any]] = []
+        roles = [(w.name, w.role) for w in self.workers]
+        self.planted = sab.arm(
+            sabotage or [], sab.decoders(roles), plan.checks, topology.retry.max_attempts
+        )
 
     # -- the run -------------------------------------------------------------------------------
 
     async def run(self) -> v.Summary:
+        await self._same_cluster()
         await self._all_idle("before the run")
+        await self._plant()
         requests_before = _requests_total(self.url)
         plan = schedule(self.plan.load)
         a = self.plan.load.arrivals
@@ -104,10 +118,14 @@ class ChaosRun:
         self.health = await _ask(self.router.health_events(), [])
         records = await self._records()
         requests_after = _requests_total(self.url)
+        fired = await self._fired()
         self.say("computing the fault-free reference")
         outcomes = [self.sender.outcomes[p.index] for p in plan]
         answers = self._reference(plan, outcomes)
+        if self.planted:  # a leaked block comes back, a held stream ends: leave the cluster clean
+            await self._all_idle("after the sabotage (its leak returned)")
         return self._summary(
+            fired,
             plan,
             outcomes,
             answers,
@@ -135,6 +153,31 @@ class ChaosRun:
                 why = "armed, but nothing reached it before the load ended"
                 self.inject_errors.append(f"{fault.kind} at {fault.at_s:g} s: {why}")
             raise
+
+    async def _same_cluster(self) -> None:
+        """Refuse a cluster started from another topology or model than the reference is
+        built from (the router's cluster key): its answers could not be judged."""
+        key = cluster_key(self.topology, model_dir_of(self.topology))
+        running = await _ask(self.router.key(), None, 60.0)
+        if running != key:
+            raise ClusterMismatch(
+                f"the cluster runs another topology or model (key {running}) than the "
+                f"reference would be built from (key {key}): give its --topology"
+            )
+
+    async def _plant(self) -> None:
+        """Arm each sabotage of a self-test (chaos.sabotage) before the load."""
+        clients = {w.name: w.client for w in self.workers}
+        for p in self.planted:
+            for worker, fault in p.faults:
+                await clients[worker].add_faults([fault])
+            self.say(f"sabotage armed: {p.kind} on {p.worker}")
+
+    async def _fired(self) -> dict[str, list[Any]]:
+        """Each worker's fired faults (where a sabotage hit), when sabotage was armed."""
+        if not self.planted:
+            return {}
+        return {w.name: await _ask(w.client.faults_fired(), []) for w in self.workers}
 
     def decoding_on(self, index: int, worker: str) -> bool:
         """Whether request ``index``'s latest attempt decodes on ``worker``."""
@@ -186,7 +229,8 @@ class ChaosRun:
                     leaks.pop(w.name, None)
                     break
                 except Exception as exc:
-                    leaks[w.name] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                    cause = getattr(exc, "cause", None) or exc  # a RayTaskError's: the worker's
+                    leaks[w.name] = f"{type(cause).__name__}: {str(cause)[:200]}"
                     if time.time() >= until:
                         break
                     await asyncio.sleep(1.0)
@@ -207,6 +251,7 @@ class ChaosRun:
 
     def _summary(
         self,
+        fired: dict[str, list[Any]],
         plan: list[Planned],
         outcomes: list[Outcome],
         answers: list[list[Expected]],
@@ -218,9 +263,12 @@ class ChaosRun:
     ) -> v.Summary:
         events = self._events(load_end)
         rows: list[dict[str, Any]] = []
+        ran: list[tuple[Outcome, list[v.Attempt], bool]] = []
         for p, o, want in zip(plan, outcomes, answers, strict=True):
             attempts = self._attempts_of(o.response_id)
-            why = v.mismatch(o, want) if o.status in ("ok", "cancelled", "error") else None
+            why = v.mismatch(o, want) if o.status != "pending" else None
+            touched = v.touched_by(o, attempts, events)
+            ran.append((o, attempts, bool(touched)))
             rows.append(
                 {
                     "index": o.index,
@@ -234,14 +282,32 @@ class ChaosRun:
                     "ttft_s": None if o.first_token is None else o.first_token - o.scheduled,
                     "tokens": o.num_tokens,
                     "attempts": [[a.prefill, a.decode] for a in attempts],
-                    "touched": v.touched_by(o, attempts, events),
+                    "touched": touched,
                     "mismatch": why,
                 }
             )
         faults = self._fault_rows(events, outcomes, rows, start, load_end)
         strand = v.stranded(events, self.attempts, records, self._block_size())
+        missing, repeated = v.terminal_records(ran, records, events)
         checks = self._checks(
-            plan, outcomes, rows, faults, events, leaks, records, strand, requests_total, start
+            plan,
+            outcomes,
+            rows,
+            faults,
+            events,
+            leaks,
+            (missing, repeated),
+            strand,
+            requests_total,
+            start,
+        )
+        by_attempt = {
+            a.attempt_id: row
+            for row, (_, attempts, _) in zip(rows, ran, strict=True)
+            for a in attempts
+        }
+        self._judge_sabotage(
+            fired, {c.name: c.passed for c in checks}, by_attempt, leaks, missing, repeated
         )
         counts = dict(Counter(o.status for o in outcomes))
         judged = [r for r in rows if not r["planned_cancel"] and not r["storm"]]
@@ -273,7 +339,29 @@ class ChaosRun:
             failures=bad[:50],
             requests=rows,
             health=[{**h, "t": h["at"] - start} for h in self.health],
+            sabotage=[p.as_dict() for p in self.planted],
         )
+
+    def _judge_sabotage(
+        self,
+        fired: dict[str, list[Any]],
+        passed: dict[str, bool],
+        by_attempt: dict[str, dict[str, Any]],
+        leaks: dict[str, str],
+        missing: list[str],
+        repeated: list[str],
+    ) -> None:
+        """Where each planted sabotage fired (its first fault's attempt), and whether the
+        verdict caught it."""
+        for p in self.planted:
+            worker, armed = p.faults[0]
+            hits = [
+                f.hit
+                for f in fired.get(worker, [])
+                if (f.action, f.attempt, f.at) == (armed.action, armed.attempt, armed.at)
+            ]
+            p.attempt = hits[0] if hits else None
+        sab.judge(self.planted, passed, by_attempt, leaks, missing, repeated)
 
     def _events(self, load_end: float) -> list[FaultEvent]:
         """The faults done, in order; a worker fault lasts until the router had the worker up
@@ -331,7 +419,7 @@ class ChaosRun:
         faults: list[v.FaultRow],
         events: list[FaultEvent],
         leaks: dict[str, str],
-        records: dict[str, list[dict[str, Any]]],
+        record_faults: tuple[list[str], list[str]],
         strand: v.Stranded,
         requests_total: tuple[float | None, float | None],
         start: float,
@@ -347,7 +435,7 @@ class ChaosRun:
         heartbeat = self.topology.heartbeat_timeout_s
         late = _late_detections(faults, c, heartbeat)
         worst = max((f.detect_s for f in faults if f.detect_s is not None), default=0.0)
-        repeated = _repeated(records)
+        missing, repeated = record_faults
         blamed = v.false_alarms(events, [h for h in self.health if h["at"] >= start])
         failed = sum(r["status"] == "error" for r in judged)
         checks = [
@@ -367,8 +455,9 @@ class ChaosRun:
             ),
             v.Check(
                 "one terminal record per attempt on each worker",
-                not repeated,
-                f"{repeated} repeated",
+                not repeated and not missing,
+                f"{len(repeated)} repeated, {len(missing)} missing"
+                + (f": {(repeated + missing)[:4]}" if repeated or missing else ""),
                 "0",
             ),
             v.Check(
@@ -442,13 +531,6 @@ def _untyped(rows: list[dict[str, Any]]) -> int:
         and r["error_type"] is None
         and not any(t.startswith("kill_ingress#") for t in r["touched"])
         for r in rows
-    )
-
-
-def _repeated(records: dict[str, list[dict[str, Any]]]) -> int:
-    """Attempts with more than one terminal record on one worker."""
-    return sum(
-        n > 1 for rows in records.values() for n in Counter(r["request_id"] for r in rows).values()
     )
 
 

@@ -6,6 +6,7 @@ over plain data (no Ray, no HTTP), so each rule is tested on its own.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -207,6 +208,30 @@ def false_alarms(events: list[FaultEvent], health: list[dict[str, Any]]) -> list
     ]
 
 
+def terminal_records(
+    requests: list[tuple[Outcome, list[Attempt], bool]],
+    records: dict[str, list[dict[str, Any]]],
+    events: list[FaultEvent],
+) -> tuple[list[str], list[str]]:
+    """(missing, repeated) attempt ids: attempts of requests no fault touched (``requests``:
+    each with its attempts and whether a fault touched it) without a terminal record on a worker
+    they ran on -- unless a kill restarted that worker since (its records died with it) -- and
+    attempts with more than one record on a worker (P8: exactly one per attempt)."""
+    have = Counter((worker, r["request_id"]) for worker, rows in records.items() for r in rows)
+    repeated = sorted({attempt for (_, attempt), n in have.items() if n > 1})
+    missing = []
+    for outcome, attempts, touched in requests:
+        since = (outcome.sent or outcome.scheduled) - 1.0
+        for a in [] if touched else attempts:
+            for worker in (a.prefill, a.decode):
+                restarted = any(
+                    e.kind in KILLS and worker in e.workers and e.at >= since for e in events
+                )
+                if worker and not restarted and (worker, a.attempt_id) not in have:
+                    missing.append(a.attempt_id)
+    return missing, repeated
+
+
 @dataclass
 class Stranded:
     """KV a surviving worker held for attempts whose peer died, after the death."""
@@ -289,6 +314,7 @@ class Summary:
     failures: list[dict[str, Any]] = field(default_factory=list)  # the first few, for people
     requests: list[dict[str, Any]] = field(default_factory=list)  # one row per request
     health: list[dict[str, Any]] = field(default_factory=list)  # the router's health log
+    sabotage: list[dict[str, Any]] = field(default_factory=list)  # a self-test's, each caught?
 
     def as_dict(self) -> dict[str, Any]:
         """Everything but the per-request rows (``requests.jsonl``)."""

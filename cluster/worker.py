@@ -37,10 +37,11 @@ import ray
 import torch
 from ray.exceptions import ActorDiedError
 
+from cluster.sabotage import spoil
 from cluster.token_stream import Outbox
 from contracts import liveness
 from contracts.actors import RouterClient, WorkerAPI
-from contracts.faults import FaultPlan, FaultPoint
+from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from contracts.messages import Delivery, WorkerInfo, WorkerLoad
 from contracts.roles import NAMESPACE, Role
 from engine.async_engine import AsyncLLMEngine
@@ -115,6 +116,7 @@ class EngineWorker:
         self._resyncs_done = 0
         self._outboxes: dict[str, Outbox] = {}  # consumer -> what it has not received
         self._served: dict[str, _Served] = {}  # attempt id -> its task here
+        self._spoiled_records: dict[str, FaultAction] = {}  # sabotage: attempt -> lose/double
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -205,9 +207,17 @@ class EngineWorker:
         """Arm the fault-injection harness (tests, chaos runs)."""
         self.faults = plan
 
+    async def add_faults(self, faults: list[Fault]) -> None:
+        """Arm ``faults`` beside those armed already (``tandem chaos run --sabotage``)."""
+        self.faults.faults.extend(faults)
+
     async def faults_pending(self) -> int:
         """Faults armed here that have not fired yet (a chaos run waits for them)."""
         return sum(not f.fired for f in self.faults.faults)
+
+    async def faults_fired(self) -> list[Fault]:
+        """The faults armed here that fired, with the attempt each fired on where known."""
+        return [f for f in self.faults.faults if f.fired]
 
     # -- reports -------------------------------------------------------------------------------
 
@@ -408,16 +418,35 @@ class EngineWorker:
     async def _relay(
         self, stream: AsyncGenerator[TokenDelta, None], attempt: EngineRequest
     ) -> AsyncGenerator[TokenDelta, None]:
-        """The engine's deltas, with the decode-side fault point."""
+        """The engine's deltas, with the decode-side fault point (a sabotage fires only on a
+        delta with tokens: the worker names the attempt there)."""
         emitted = 0
         try:
             async for delta in stream:
                 emitted += len(delta.token_ids)
-                self.faults.check(FaultPoint.DECODE_TOKENS, attempt.attempt, emitted)
+                key = attempt.key if delta.token_ids else None
+                fault = self.faults.check(FaultPoint.DECODE_TOKENS, attempt.attempt, emitted, key)
+                if fault is not None:
+                    delta = await self._plant(fault, delta)
                 yield delta
         finally:
             await stream.aclose()
             self._touch()
+
+    async def _plant(self, fault: Fault, delta: TokenDelta) -> TokenDelta:
+        """Do a sabotage (contracts.faults.SABOTAGE) to the attempt ``fault`` fired on."""
+        if fault.action is FaultAction.HOLD:
+            await asyncio.sleep(fault.seconds)
+        elif fault.action is FaultAction.LEAK_BLOCK:
+            blocks = await self.engine.call(lambda e: e.kv.pool.allocate(1))
+            give_back = self.engine.call(lambda e: e.kv.pool.decref(blocks))
+            asyncio.get_running_loop().call_later(
+                fault.seconds, lambda: asyncio.ensure_future(give_back)
+            )
+        elif fault.action in (FaultAction.LOSE_RECORD, FaultAction.DOUBLE_RECORD):
+            assert fault.hit is not None
+            self._spoiled_records[fault.hit] = fault.action
+        return spoil(delta, fault.action, self.engine.vocab_size)
 
     # -- inspection (tests, the chaos harness) ------------------------------------------------
 
@@ -426,7 +455,14 @@ class EngineWorker:
         return self.engine.kv_stats()
 
     async def records(self) -> list[TerminalRecord]:
-        return self.engine.records()
+        """The engine's latest terminal records (a planted LOSE_RECORD / DOUBLE_RECORD reports
+        its attempt's not at all, or twice)."""
+        copies = {FaultAction.LOSE_RECORD: 0, FaultAction.DOUBLE_RECORD: 2}
+        out = []
+        for record in self.engine.records():
+            planted = self._spoiled_records.get(record.request_id)
+            out += [record] * (1 if planted is None else copies[planted])
+        return out
 
     async def check_idle(self) -> KVStats:
         """The leak check: wait until nothing runs, then every pool must be at baseline

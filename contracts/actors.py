@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from ray import ObjectRef, ObjectRefGenerator
 
-from contracts.faults import FaultPlan
+from contracts.faults import Fault, FaultPlan
 from contracts.messages import Delivery, KVSource, TransferRecord, WorkerInfo, WorkerLoad
 from contracts.routing import Decision, RouteRequest, WorkerState
 from engine.kv_cache_manager import KVStats
@@ -48,6 +48,8 @@ class WorkerAPI(Protocol):
     async def node_id(self) -> str: ...
     async def pid(self) -> int: ...
     async def faults_pending(self) -> int: ...
+    async def add_faults(self, faults: list[Fault]) -> None: ...
+    async def faults_fired(self) -> list[Fault]: ...
 
 
 class PrefillAPI(WorkerAPI, Protocol):
@@ -162,6 +164,12 @@ class WorkerClient:
 
     def faults_pending(self) -> ObjectRef[int]:
         return self.handle.faults_pending.remote()
+
+    def add_faults(self, faults: list[Fault]) -> ObjectRef[None]:
+        return self.handle.add_faults.remote(faults)
+
+    def faults_fired(self) -> ObjectRef[list[Fault]]:
+        return self.handle.faults_fired.remote()
 
 
 class RouterClient:

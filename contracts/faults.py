@@ -5,6 +5,11 @@ A :class:`FaultPlan` is armed on a worker actor (``set_faults``); the worker con
 point with the attempt number and a count (layers streamed, tokens emitted, message index). A
 fault fires once: at the first check where its conditions hold. The KV sender
 (``kv_transfer.exporter``) applies the data faults it is handed in the same terms.
+
+The :data:`SABOTAGE` actions are not faults a cluster survives but violations of its promises,
+planted at DECODE_TOKENS by ``tandem chaos run --sabotage`` to show that the fault verdict
+catches each one (a self-test of the harness; docs/design.md#chaos). Each spoils the one attempt
+it fires on, at most one per attempt, and remembers which (``Fault.hit``).
 """
 
 from __future__ import annotations
@@ -37,6 +42,32 @@ class FaultAction(StrEnum):
     CORRUPT = "corrupt"  # flip one byte of the message, checksums left as computed (KV sender)
     TRUNCATE = "truncate"  # send only the first half of the message's bytes (KV sender)
     DROP = "drop"  # skip the message (KV sender)
+    # Sabotage (DECODE_TOKENS): the delta's first token id changed, its last top-k
+    # alternative's logprob changed, its first token dropped or sent twice, the stream held
+    # ``seconds`` (the worker stays healthy), a KV block taken from the pool for ``seconds``,
+    # the attempt's terminal record reported not at all or twice.
+    SPOIL_TOKEN = "spoil_token"
+    SPOIL_LOGPROB = "spoil_logprob"
+    DROP_TOKEN = "drop_token"
+    REPEAT = "repeat"
+    HOLD = "hold"
+    LEAK_BLOCK = "leak_block"
+    LOSE_RECORD = "lose_record"
+    DOUBLE_RECORD = "double_record"
+
+
+SABOTAGE = frozenset(
+    {
+        FaultAction.SPOIL_TOKEN,
+        FaultAction.SPOIL_LOGPROB,
+        FaultAction.DROP_TOKEN,
+        FaultAction.REPEAT,
+        FaultAction.HOLD,
+        FaultAction.LEAK_BLOCK,
+        FaultAction.LOSE_RECORD,
+        FaultAction.DOUBLE_RECORD,
+    }
+)
 
 
 class FaultInjected(RuntimeError):
@@ -49,31 +80,42 @@ class Fault:
     action: FaultAction
     at: int = 0  # fires at the first check with count >= at
     attempt: int | None = None  # only on this attempt number (None: any)
-    seconds: float = 0.0  # for STALL
+    seconds: float = 0.0  # for STALL, HOLD, LEAK_BLOCK
     fired: bool = False
+    hit: str | None = None  # the attempt it fired on, where the worker said (sabotage)
 
 
 @dataclass
 class FaultPlan:
     faults: list[Fault] = field(default_factory=list)
 
-    def take(self, point: FaultPoint, attempt: int, count: int) -> Fault | None:
-        """The fault due at this point, marked fired; None when nothing is due."""
+    def take(
+        self, point: FaultPoint, attempt: int, count: int, key: str | None = None
+    ) -> Fault | None:
+        """The fault due at this point, marked fired (on attempt ``key``, when given); None
+        when nothing is due. A sabotage fires only where the worker names the attempt, and
+        skips one another sabotage already spoiled."""
+        spoiled = {f.hit for f in self.faults if f.action in SABOTAGE and f.hit is not None}
         for fault in self.faults:
             if (
                 not fault.fired
                 and fault.point is point
                 and count >= fault.at
                 and (fault.attempt is None or fault.attempt == attempt)
+                and not (fault.action in SABOTAGE and (key is None or key in spoiled))
             ):
                 fault.fired = True
+                fault.hit = key
                 return fault
         return None
 
-    def check(self, point: FaultPoint, attempt: int, count: int) -> Fault | None:
+    def check(
+        self, point: FaultPoint, attempt: int, count: int, key: str | None = None
+    ) -> Fault | None:
         """Apply a due CRASH here; RAISE and STALL too, except at TRANSFER_CHUNK, where they
-        and the data faults are returned for the KV sender to apply to its stream."""
-        fault = self.take(point, attempt, count)
+        and the data faults are returned for the KV sender to apply to its stream. A sabotage
+        is returned for the worker to plant."""
+        fault = self.take(point, attempt, count, key)
         if fault is None:
             return None
         if fault.action is FaultAction.CRASH:

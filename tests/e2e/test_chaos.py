@@ -9,8 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,10 +22,14 @@ import ray
 
 from chaos.inject import Injector, Worker
 from chaos.load import InThread, Sender, requests_of
-from chaos.probe import metric
+from chaos.probe import metric, wait_all_up
+from chaos.reference import expected, reference_engine
+from chaos.sabotage import CHECK, Kind
+from chaos.verdict import mismatch
 from contracts.actors import WorkerClient
 from contracts.roles import NAMESPACE
 from tandem.deployment import DEFAULT_TOPOLOGY
+from tandem.launch import model_dir_of
 from tandem.testbed import Host
 from tandem.topology import load_topology
 
@@ -44,8 +50,9 @@ def counters(url: str) -> list[float]:
     return [sum(metric(url, name, **labels)) for name, labels in COUNTED]
 
 
-def run_plan(plan: str, url: str, out: Path) -> dict[str, Any]:
-    """``tandem chaos run PLAN`` against the session's cluster, as a user runs it."""
+def run_plan(plan: str, url: str, out: Path, *extra: str) -> dict[str, Any]:
+    """``tandem chaos run PLAN [extra...]`` against the session's cluster, as a user runs
+    it."""
     before = counters(url)
     tandem = Path(sys.executable).with_name("tandem")
     run = subprocess.run(
@@ -60,6 +67,7 @@ def run_plan(plan: str, url: str, out: Path) -> dict[str, Any]:
             url,
             "--out",
             str(out),
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -72,10 +80,17 @@ def run_plan(plan: str, url: str, out: Path) -> dict[str, Any]:
         "report": json.loads((out / "report.json").read_text()) if run.returncode < 2 else None,
         "markdown": (out / "report.md").read_text() if run.returncode < 2 else "",
         "png": out / "timeline.png",
+        "out": out,
         "before": before,
         "after": counters(url),
         "url": url,
     }
+
+
+def report_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's ``requests.jsonl``: a row per request."""
+    lines = (run["out"] / "requests.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 @pytest.fixture(scope="module")
@@ -186,3 +201,133 @@ def test_a_paused_and_starved_router_fails_no_request_and_blames_no_worker(
     marks = [h for h in report["health"] if h["event"] == "failed" and h["t"] >= 0]
     assert not marks, marks  # (the smoke plan's kills before this run are in the log too)
     assert (run["after"][0] - run["before"][0]) == 0  # tandem_worker_failures_detected_total
+
+
+@pytest.fixture(scope="module")
+def self_test(url: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The harness's self-test: every kind of sabotage planted in one run of ``self-test``."""
+    return run_plan("self-test", url, tmp_path_factory.mktemp("sabotage"), "--sabotage", "all")
+
+
+def test_the_self_test_plan_passes_without_sabotage(
+    url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """What the sabotaged run fails is the sabotage's doing: the same plan alone passes."""
+    run = run_plan("self-test", url, tmp_path_factory.mktemp("plain"))
+    assert run["rc"] == 0, run["stderr"][-4000:]
+    assert all(c["passed"] for c in run["report"]["checks"]), run["report"]["checks"]
+    assert run["report"]["sabotage"] == []
+
+
+# What the spoiled request's row says, per stream kind (the first difference from the reference).
+MISMATCH = {
+    Kind.TOKEN: r"tokens differ from token \d+",
+    Kind.LOGPROB: r"(token|top)_logprobs differ from token \d+",
+    Kind.DROP: r"(\d+ tokens, the reference has \d+|tokens differ from token \d+)",
+    Kind.DUPLICATE: r"(\d+ tokens, the reference has \d+|tokens differ from token \d+)",
+}
+
+
+@pytest.mark.parametrize("kind", list(Kind))
+def test_the_verdict_catches_each_planted_violation(self_test: dict[str, Any], kind: Kind) -> None:
+    """Each sabotage fired on an attempt, and the check it breaks failed pointing at it; the
+    command's exit status says every one was caught (1 if the verdict missed one)."""
+    assert self_test["rc"] == 0, self_test["stderr"][-4000:]
+    report = self_test["report"]
+    assert report["verdict"] is False
+    [planted] = [p for p in report["sabotage"] if p["kind"] == kind]
+    assert planted["attempt"] is not None and planted["caught"] is True, planted
+    [check] = [c for c in report["checks"] if c["name"] == CHECK[kind]]
+    assert check["passed"] is False, check
+    rows = {r["response_id"]: r for r in report_rows(self_test)}
+    response = planted["attempt"].rsplit("@", 1)[0]
+    if kind in MISMATCH:
+        assert re.fullmatch(f"choice 0: {MISMATCH[kind]}", rows[response]["mismatch"]), planted
+    elif kind is Kind.HANG:
+        assert rows[response]["status"] == "hung" and rows[response]["tokens"] >= 1
+    elif kind is Kind.FAIL:
+        row = rows.get(response)
+        assert row is None or (row["status"] == "error" and not row["touched"]), row
+        assert "max_attempts reached after 3 attempt(s)" in planted["how"]
+    elif kind is Kind.LEAK:
+        assert planted["worker"] in check["measured"] and "KVInvariantError" in planted["how"]
+    else:
+        assert planted["attempt"] in check["measured"]
+
+
+def test_a_sabotaged_run_fails_only_the_checks_its_sabotage_breaks(
+    self_test: dict[str, Any],
+) -> None:
+    """No other check fails (a held stream, a failed request or a leak is not a false alarm,
+    an untyped error, or a record the ingress miscounted); exactly the planted requests are
+    bad."""
+    report = self_test["report"]
+    broken = set(CHECK.values())
+    assert [c["name"] for c in report["checks"] if not c["passed"]] == [
+        c["name"] for c in report["checks"] if c["name"] in broken
+    ]
+    planted = {p["kind"]: p["attempt"].rsplit("@", 1)[0] for p in report["sabotage"]}
+    rows = report_rows(self_test)
+    spoiled = {planted[k] for k in MISMATCH}
+    assert {r["response_id"] for r in rows if r["mismatch"]} == spoiled
+    assert [r["response_id"] for r in rows if r["status"] == "hung"] == [planted[Kind.HANG]]
+    assert report["counts"].get("error") == 1 and report["counts"]["requests"] == len(rows)
+
+
+def test_with_the_default_retry_budget_both_decode_workers_lost_fail_no_request(url: str) -> None:
+    """P9 on ``local.yaml`` as shipped (retry budget at its default): both decode workers
+    killed at once, Ray restarting them within ``unavailable_wait_s``. A stream with tokens
+    migrates, a request without one waits for a decode worker: every request completes, none
+    is refused, each equal to the engine's answer (token ids and top-5 logprobs, bf16)."""
+    topology = load_topology(DEFAULT_TOPOLOGY)
+    bodies = [
+        {
+            "prompt": f"both decode workers lost {i}: " + "word " * (4 * i),
+            "max_tokens": 32,
+            "temperature": 0.0,
+            "logprobs": 5,
+            "return_tokens_as_token_ids": True,
+        }
+        for i in range(24)
+    ]
+    wait_all_up(url)
+    load = InThread(Sender(url, topology.model.name, 120.0), requests_of(bodies), 6)
+    time.sleep(1.5)
+    for name in ("decode-0", "decode-1"):
+        ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=False)
+    until = time.time() + 180
+    while len(load.outcomes()) < len(bodies):  # (join stops a closed loop's clients)
+        assert time.time() < until, "the clients never sent every request"
+        time.sleep(0.5)
+    outcomes = load.join(timeout_s=240)
+    wait_all_up(url)
+    engine = reference_engine(topology, model_dir_of(topology))
+    answers = expected(engine, [(b, None) for b in bodies])
+    assert [(o.status, o.http_status, o.error) for o in outcomes] == [("ok", None, None)] * 24
+    assert [mismatch(o, answers[o.index]) for o in outcomes] == [None] * 24
+
+
+def test_a_run_refuses_a_cluster_its_reference_was_not_built_from(
+    url: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``--address`` with another topology than the cluster's: the reference would be another
+    model's or engine's, so the run refuses before any load (one line, exit 2)."""
+    other = tmp_path_factory.mktemp("other") / "other.yaml"
+    text = DEFAULT_TOPOLOGY.read_text().replace("heartbeat_timeout_s:", "heartbeat_timeout_s: 9 #")
+    other.write_text(text)
+    assert load_topology(other).heartbeat_timeout_s == 9
+    run = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("tandem")),
+            *("chaos", "run", "self-test", "--url", url, "--topology", str(other)),
+            *("--address", ray.get_runtime_context().gcs_address),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ.copy(),
+    )
+    assert run.returncode == 2, run.stderr[-2000:]
+    [line] = [x for x in run.stderr.splitlines() if x.startswith("tandem: error:")]
+    assert "runs another topology or model (key " in line and "give its --topology" in line
+    assert "requests over" not in run.stderr  # refused before any load was sent
