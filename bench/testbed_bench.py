@@ -182,7 +182,7 @@ def startup() -> tuple[testbed.Testbed, subprocess.Popen[bytes], dict[str, float
     t0 = time.perf_counter()
     bed = testbed.up(3, ["a", "b", "c"])
     t1 = time.perf_counter()
-    testbed.ray_up()
+    testbed.ray_up(bed.cluster_file)
     t2 = time.perf_counter()
     proc = testbed.serve_on_head(bed, TOPOLOGY)
     t3 = time.perf_counter()
@@ -343,7 +343,7 @@ def main() -> None:
         records, load = faults(bed, a.clients)
     finally:
         testbed.stop_serving(bed, proc)
-        testbed.ray_down()
+        testbed.ray_down(bed.cluster_file)
         testbed.down()
     result = {
         "transfer_mib": a.transfer_mib,

@@ -16,7 +16,9 @@ def add_command(sub: Any) -> None:
     ch_run = ch_sub.add_parser("run", help="run PLAN (a file, or a shipped plan's name)")
     ch_run.add_argument("plan")
     ch_run.add_argument(
-        "--topology", default=None, help="the cluster's topology YAML (default: local.yaml)"
+        "--topology",
+        default=None,
+        help="the cluster's topology YAML (default: the plan's, else local.yaml)",
     )
     ch_run.add_argument(
         "--address", default=None, help="a running cluster's Ray address (default: start one)"
@@ -46,11 +48,8 @@ def add_command(sub: Any) -> None:
 
 def run(a: argparse.Namespace) -> int:
     from chaos.main import run_command
-    from tandem.deployment import DEFAULT_TOPOLOGY
 
-    bed_topology = DEFAULT_TOPOLOGY.with_name("testbed.yaml")
-    default = bed_topology if a.testbed is not None else DEFAULT_TOPOLOGY
-    topology = Path(a.topology) if a.topology else default
+    topology = Path(a.topology) if a.topology else None  # the plan's, local.yaml or testbed.yaml
     out = Path(a.out) if a.out else None
     return run_command(a.plan, topology, a.address, a.url, out, a.testbed, a.on_bed, a.sabotage)
 

@@ -135,7 +135,7 @@ class Injector:
         bed: Testbed | None = None,
     ) -> None:
         self.workers = {w.name: w for w in workers}
-        self.bed = bed  # host faults need one (launched with testbed.CLUSTER_FILE)
+        self.bed = bed  # host faults need one (launched with its cluster_file)
         self.rng = random.Random(seed)
         self.events: list[FaultEvent] = []
         self._agents: dict[str, Any] = {}

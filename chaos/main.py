@@ -16,6 +16,7 @@ from chaos.plan import ChaosPlan, load_plan, shipped_plans
 from chaos.report import write_report
 from chaos.sabotage import Kind, parse
 from chaos.verdict import Summary
+from tandem.deployment import DEFAULT_TOPOLOGY
 from tandem.topology import load_topology
 
 
@@ -46,7 +47,7 @@ def run_against(
 
 def run_command(
     plan_file: str,
-    topology_file: Path,
+    topology_file: Path | None,
     address: str | None,
     url: str | None,
     out: Path | None,
@@ -58,6 +59,9 @@ def run_command(
     when the verdict caught each planted violation, 1 when it missed one."""
     kinds = parse(sabotage) if sabotage else None
     plan = load_plan(plan_file)
+    if topology_file is None:
+        default = DEFAULT_TOPOLOGY.with_name("testbed.yaml") if testbed_nodes else DEFAULT_TOPOLOGY
+        topology_file = default.with_name(f"{plan.topology}.yaml") if plan.topology else default
     out = out or Path("chaos-reports") / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if testbed_nodes is not None and kinds:
         raise ValueError("--sabotage runs on a local cluster or one at --address, not --testbed")
@@ -104,20 +108,20 @@ def run_command(
 
 
 def run_on_bed(plan_file: str, nodes: int, topology_file: Path, out: Path) -> int:
-    """``--testbed N``: a bed of N hosts (one per failure domain of the topology), ``ray up``
-    on it, ``tandem serve`` on its head; then this command again as a driver on the head host
+    """``--testbed N``: a bed of N hosts (at least one per failure domain of the topology, the
+    domains in turn), ``ray up`` its cluster file on it, ``tandem serve`` on its head; then this command again as a driver on the head host
     (``--on-bed``: it can do host faults); then everything down again."""
     from tandem import testbed
 
     topology = load_topology(topology_file)
-    if len(topology.domains) != nodes:
+    if nodes < len(topology.domains):
         raise ValueError(
             f"--testbed {nodes}: the topology's domains {topology.domains} need a host each"
         )
-    say(f"starting a test bed of {nodes} hosts, ray up {testbed.CLUSTER_FILE.name}, tandem serve")
+    say(f"starting a test bed of {nodes} hosts (domains in turn), ray up, tandem serve")
     bed = testbed.up(nodes, topology.domains)
     try:
-        testbed.ray_up()
+        testbed.ray_up(bed.cluster_file)
         serving = testbed.serve_on_head(bed, topology_file.resolve())
         try:
             head = bed.hosts[0]
@@ -136,7 +140,7 @@ def run_on_bed(plan_file: str, nodes: int, topology_file: Path, out: Path) -> in
             return subprocess.run(command, env=env, cwd=testbed.CHECKOUT).returncode
         finally:
             testbed.stop_serving(bed, serving)
-            testbed.ray_down()
+            testbed.ray_down(bed.cluster_file)
     finally:
         testbed.down()
 

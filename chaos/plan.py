@@ -308,6 +308,12 @@ class Checks(ConfigSection):
     settle_s: float = Field(
         60.0, gt=0, description="after the load: how long pools may take to return to baseline"
     )
+    transformers_greedy: bool = Field(
+        False,
+        description="also check each greedy request's token ids against transformers' greedy "
+        "generation on the same checkpoint (a reference outside Tandem's engine; exact only in "
+        "float32: the run refuses another dtype)",
+    )
 
 
 class ChaosPlan(ConfigSection):
@@ -317,6 +323,11 @@ class ChaosPlan(ConfigSection):
     faults: list[Fault] = Field(default_factory=list)
     checks: Checks = Field(default_factory=Checks)
     testbed: bool = Field(False, description="needs a test bed (host faults): run with --testbed")
+    topology: str | None = Field(
+        None,
+        description="the shipped topology (deploy/topologies/NAME.yaml) a run starts when no "
+        "--topology is given (default: local.yaml; testbed.yaml with --testbed)",
+    )
 
     @model_validator(mode="after")
     def _host_faults_need_a_bed(self) -> ChaosPlan:

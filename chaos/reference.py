@@ -106,3 +106,26 @@ def _expected(out: Any, top: int) -> Expected:
 
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def transformers_greedy(model_dir: Path, bodies: list[dict[str, Any]]) -> list[list[str] | None]:
+    """Per body, the token names (``token_id:N``) transformers' own tokenizer and greedy
+    ``generate`` give in float32 -- a reference sharing nothing with Tandem's engine; None
+    for a body that is not plain greedy (sampled, stop strings, ``n`` > 1)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out: list[list[str] | None] = []
+    for body in bodies:
+        if body.get("temperature", 1.0) != 0.0 or body.get("stop") or body.get("n", 1) != 1:
+            out.append(None)
+            continue
+        ids = tokenizer(body["prompt"], return_tensors="pt").input_ids
+        with torch.inference_mode():
+            new = model.generate(
+                ids, do_sample=False, max_new_tokens=body["max_tokens"], pad_token_id=0
+            )
+        out.append([f"token_id:{t}" for t in new[0, ids.shape[1] :].tolist()])
+    return out

@@ -27,7 +27,7 @@ from chaos.injections import INJECTIONS
 from chaos.load import Outcome, Planned, Sender, schedule
 from chaos.plan import ChaosPlan, Checks, Churn, Fault
 from chaos.probe import metric
-from chaos.reference import Expected, expected, reference_engine
+from chaos.reference import Expected, expected, reference_engine, transformers_greedy
 from contracts.actors import RouterClient, WorkerClient
 from contracts.roles import NAMESPACE, ROUTER_NAME
 from router.health import FIRST_LOOK_MIN_S
@@ -59,6 +59,11 @@ class ChaosRun:
         bed: Testbed | None = None,
         sabotage: list[sab.Kind] | None = None,
     ) -> None:
+        if plan.checks.transformers_greedy and topology.model.dtype != "float32":
+            raise ValueError(
+                f"plan {plan.name!r} checks greedy outputs against transformers, exact only in "
+                f"float32: run it on a float32 topology (this one: {topology.model.dtype})"
+            )
         self.plan = plan
         self.topology = topology
         self.url = url
@@ -122,9 +127,11 @@ class ChaosRun:
         self.say("computing the fault-free reference")
         outcomes = [self.sender.outcomes[p.index] for p in plan]
         answers = self._reference(plan, outcomes)
+        hf = self._transformers(plan)
         if self.planted:  # a leaked block comes back, a held stream ends: leave the cluster clean
             await self._all_idle("after the sabotage (its leak returned)")
         return self._summary(
+            hf,
             fired,
             plan,
             outcomes,
@@ -251,6 +258,7 @@ class ChaosRun:
 
     def _summary(
         self,
+        hf: list[list[str] | None],
         fired: dict[str, list[Any]],
         plan: list[Planned],
         outcomes: list[Outcome],
@@ -301,6 +309,8 @@ class ChaosRun:
             requests_total,
             start,
         )
+        if self.plan.checks.transformers_greedy:
+            checks.append(self._transformers_check(outcomes, hf, rows))
         by_attempt = {
             a.attempt_id: row
             for row, (_, attempts, _) in zip(rows, ran, strict=True)
@@ -340,6 +350,35 @@ class ChaosRun:
             requests=rows,
             health=[{**h, "t": h["at"] - start} for h in self.health],
             sabotage=[p.as_dict() for p in self.planted],
+        )
+
+    def _transformers(self, plan: list[Planned]) -> list[list[str] | None]:
+        """transformers' greedy tokens per request (plan.checks.transformers_greedy), else
+        none."""
+        if not self.plan.checks.transformers_greedy:
+            return [None] * len(plan)
+        self.say("generating the greedy requests' tokens with transformers (float32)")
+        return transformers_greedy(model_dir_of(self.topology), [p.body for p in plan])
+
+    @staticmethod
+    def _transformers_check(
+        outcomes: list[Outcome], hf: list[list[str] | None], rows: list[dict[str, Any]]
+    ) -> v.Check:
+        """Each greedy request against transformers (the reason lands on its row)."""
+        judged = bad = 0
+        for o, names, row in zip(outcomes, hf, rows, strict=True):
+            if names is None or o.status == "pending":
+                continue
+            judged += 1
+            why = v.differs_from_transformers(o, names)
+            if why is not None:
+                bad += 1
+                row["mismatch"] = row["mismatch"] or f"transformers: {why}"
+        return v.Check(
+            "greedy outputs equal transformers' (float32)",
+            bad == 0 and judged > 0,
+            f"{bad} of {judged} greedy requests differ",
+            "0 (and some judged)",
         )
 
     def _judge_sabotage(

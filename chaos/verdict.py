@@ -61,6 +61,19 @@ def mismatch(outcome: Outcome, answers: list[Expected]) -> str | None:
     return None
 
 
+def differs_from_transformers(outcome: Outcome, names: list[str]) -> str | None:
+    """Why a greedy request's token ids are not those transformers generated (None: they
+    are): a complete one must equal them, one cut short be a prefix."""
+    got = outcome.choices.get(0)
+    tokens = got.tokens if got else []
+    if outcome.status == "ok" and tokens != names:
+        at = next((i for i, (a, b) in enumerate(zip(tokens, names, strict=False)) if a != b), None)
+        return f"{len(tokens)} tokens, transformers {len(names)}; first difference at {at}"
+    if outcome.status != "ok" and tokens != names[: len(tokens)]:
+        return "the tokens received are not a prefix of transformers'"
+    return None
+
+
 def touched_by(outcome: Outcome, attempts: list[Attempt], events: list[FaultEvent]) -> list[str]:
     """The faults that touched ``outcome``: one that hit everyone while it was open, or one
     that hit a worker its attempts ran on while it was open (from the fault until the worker

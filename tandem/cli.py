@@ -177,7 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_testbed_up(a: argparse.Namespace) -> int:
-    """Start the bed; print its hosts as JSON (name, address, domain) and the key's path."""
+    """Start the bed; print its hosts as JSON (name, address, domain) and the key's path, and
+    the ``ray up`` line for the cluster file it wrote for them."""
     from tandem import testbed
 
     domains = a.domains.split(",") if a.domains else None
@@ -187,6 +188,7 @@ def cmd_testbed_up(a: argparse.Namespace) -> int:
         print(f"tandem: testbed unavailable: {e}", file=sys.stderr)
         return 1
     print(json.dumps(testbed.to_json(bed), indent=2))
+    print(f"ray up {bed.cluster_file}   # this bed's cluster", file=sys.stderr)
     return 0
 
 

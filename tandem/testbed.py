@@ -30,7 +30,8 @@ from contracts.roles import NAMESPACE, ROUTER_NAME
 from tandem.demo import tandem_home
 
 CHECKOUT = Path(__file__).resolve().parents[1]
-CLUSTER_FILE = CHECKOUT / "deploy" / "cluster-testbed.yaml"  # `ray up` for a 3-host bed
+# `ray up`'s file for the 3-host bed of domains a, b, c: what cluster_config() writes for it.
+CLUSTER_FILE = CHECKOUT / "deploy" / "cluster-testbed.yaml"
 PREFIX = "tdm"
 BRIDGE = f"{PREFIX}-br0"
 SUBNET = "10.213.0.0/24"
@@ -73,6 +74,11 @@ class Testbed:
     bridge_address: str  # the root namespace's address on the bed
     key: Path  # the bed's private key (user root)
     state_dir: Path
+
+    @property
+    def cluster_file(self) -> Path:
+        """``ray up``'s file for this bed (written by :func:`up`: :func:`cluster_config`)."""
+        return self.state_dir / "cluster.yaml"
 
     def ssh_args(self, host: Host) -> list[str]:
         """The ``ssh`` command line that runs a command on ``host`` (append the command)."""
@@ -192,6 +198,7 @@ def up(
         _ip("-n", host.name, "link", "set", "eth0", "up")
         _start_sshd(host, _sshd_config(state_dir, host))
     (state_dir / "bed.json").write_text(json.dumps(to_json(bed), indent=2))
+    bed.cluster_file.write_text(CLUSTER_HEADER.format(n=nodes) + yaml_dump(cluster_config(bed)))
     # The checkout whose .venv the bed's hosts run (deploy/cluster-testbed.yaml reads it).
     (state_dir / "checkout").write_text(str(CHECKOUT))
     _wait_ready(bed)
@@ -246,13 +253,13 @@ def revive_host(bed: Testbed, host: Host) -> None:
 RAY_START_TRIES = 3
 
 
-def restart_ray_node(bed: Testbed, host: Host, cluster_file: Path = CLUSTER_FILE) -> None:
+def restart_ray_node(bed: Testbed, host: Host) -> None:
     """Start ``host``'s Ray node again (after :func:`revive_host`, or to replace a node Ray
     declared dead) with the start commands of the ``ray up`` file that launched the bed's
     cluster: the head's if ``host`` is its ``head_ip``, else the workers'."""
     import yaml
 
-    config = yaml.safe_load(cluster_file.read_text())
+    config = yaml.safe_load(bed.cluster_file.read_text())
     head = config["provider"]["head_ip"]
     key = "head_start_ray_commands" if host.address == head else "worker_start_ray_commands"
     commands = " && ".join(f"( {c} )" for c in config[key])
@@ -286,9 +293,11 @@ SERVE_PORT = 8000
 REPLY = "tandem-testbed-reply: "  # on_head's marker for its driver's answer
 
 
-def ray_up(cluster_file: Path = CLUSTER_FILE) -> None:
-    """``ray up`` the bed's cluster file, as a user launches it; RuntimeError with the end of
-    Ray's output if it fails (a missing rsync, an sshd that does not answer)."""
+def ray_up(cluster_file: Path | None = None) -> None:
+    """``ray up`` the bed's cluster file (default: the running bed's), as a user launches it;
+    RuntimeError with the end of Ray's output if it fails (a missing rsync, an sshd that does
+    not answer)."""
+    cluster_file = cluster_file or _running_cluster_file()
     out = subprocess.run(
         [str(Path(sys.executable).with_name("ray")), "up", "-y", "--no-config-cache"]
         + [str(cluster_file)],
@@ -302,15 +311,87 @@ def ray_up(cluster_file: Path = CLUSTER_FILE) -> None:
         )
 
 
-def ray_down(cluster_file: Path = CLUSTER_FILE, check: bool = False) -> None:
-    """``ray down`` the bed's cluster; with ``check``, RuntimeError if it fails (else best
-    effort: whatever is left of a cluster whose hosts were killed)."""
+def ray_down(cluster_file: Path | None = None, check: bool = False) -> None:
+    """``ray down`` the bed's cluster (default: the running bed's); with ``check``,
+    RuntimeError if it fails (else best effort: whatever is left of a cluster whose hosts were
+    killed)."""
+    cluster_file = cluster_file or _running_cluster_file()
     ray = str(Path(sys.executable).with_name("ray"))
     out = subprocess.run(
         [ray, "down", "-y", str(cluster_file)], capture_output=True, text=True, timeout=120
     )
     if check and out.returncode != 0:
         raise RuntimeError(f"ray down failed: {(out.stdout + out.stderr)[-3000:]}")
+
+
+def _running_cluster_file() -> Path:
+    bed = load()
+    if bed is None:
+        raise TestbedUnavailable("no test bed is up: `tandem testbed up --nodes N` first")
+    return bed.cluster_file
+
+
+# -- the bed's `ray up` file ---------------------------------------------------------------------
+
+NODE_MEMORY = 4 * 2**30  # what each host's Ray node offers (the hosts share this machine's)
+NODE_OBJECT_STORE = 256 * 2**20
+CLUSTER_HEADER = """\
+# `ray up` for the {n}-host test bed `tandem testbed up` made (written by tandem/testbed.py;
+# deploy/cluster-testbed.yaml explains each part, for the 3-host bed of domains a, b, c).
+"""
+
+
+def cluster_config(bed: Testbed) -> dict[str, Any]:
+    """``ray up``'s cluster file for ``bed``: the head on host 0, a worker on each other host,
+    each Ray node labelled with its host's failure domain (a worker finds its own by its
+    address). For the 3-host bed of domains a, b, c this is deploy/cluster-testbed.yaml."""
+    head, *workers = bed.hosts
+    home = str(Path.home())
+    state = (
+        str(bed.state_dir).replace(home, "~", 1)
+        if str(bed.state_dir).startswith(home)
+        else str(bed.state_dir)
+    )
+    cd = f'cd "$(cat {state}/checkout)"'
+    env = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=1 RAY_USAGE_STATS_ENABLED=0"
+    sizes = f"--memory={NODE_MEMORY} --object-store-memory={NODE_OBJECT_STORE}"
+    label = "--labels=tandem/failure-domain="
+    arms = " ".join(f'*" {w.address} "*) host={w.name}; domain={w.domain} ;;' for w in workers)
+    return {
+        "cluster_name": "tandem-testbed",
+        "metadata": {"tandem": {"topology": "deploy/topologies/testbed.yaml"}},
+        "provider": {
+            "type": "local",
+            "head_ip": head.address,
+            "worker_ips": [w.address for w in workers],
+        },
+        "auth": {"ssh_user": "root", "ssh_private_key": f"{state}/{bed.key.name}"},
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": 5,
+        "initialization_commands": [],
+        "setup_commands": [],
+        "head_setup_commands": [],
+        "worker_setup_commands": [],
+        "head_start_ray_commands": [
+            f"{cd} && ray stop",
+            f"{cd} && {env} RAY_enable_autoscaler_v2=0 ray start --head --port={RAY_PORT} "
+            f"--node-ip-address={head.address} --autoscaling-config=~/ray_bootstrap_config.yaml "
+            f"--temp-dir=/tmp/ray-{head.name} {sizes} {label}{head.domain}",
+        ],
+        "worker_start_ray_commands": [
+            f"{cd} && ray stop",
+            f'case " $(hostname -I) " in {arms} *) echo "cluster file: not a bed host '
+            f'($(hostname -I))" >&2; exit 1 ;; esac; {cd} && addr=$(hostname -I); '
+            f"addr=${{addr%% *}}; {env} ray start --address=$RAY_HEAD_IP:{RAY_PORT} "
+            f"--node-ip-address=$addr --temp-dir=/tmp/ray-$host {sizes} {label}$domain",
+        ],
+    }
+
+
+def yaml_dump(config: dict[str, Any]) -> str:
+    import yaml
+
+    return str(yaml.safe_dump(config, sort_keys=False, width=100))
 
 
 def url(bed: Testbed) -> str:

@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import fields, replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +19,7 @@ from torch import Tensor
 
 from api.protocol import ChatCompletionRequest, CompletionRequest
 from api.translate import sampling_params
+from chaos.probe import metric
 from contracts.messages import WorkerInfo, WorkerLoad
 from contracts.roles import Role
 from contracts.routing import WorkerState
@@ -173,3 +178,64 @@ def skip_unless_bed_possible() -> None:
         if exc.installable:
             pytest.fail(f"the test bed could run here but setup left it broken: {exc}")
         pytest.skip(str(exc))
+
+
+# -- chaos runs through the CLI (tests/e2e) ---------------------------------------------------
+
+# The counters the run must move: (name, labels).
+COUNTED = [
+    ("tandem_worker_failures_detected_total", {}),
+    ("tandem_transport_failures_total", {"kind": "integrity"}),
+    ("tandem_migrations_total", {}),
+    ("tandem_retries_total", {}),
+]
+
+
+def counters(url: str) -> list[float]:
+    """Each of COUNTED's sum over its samples."""
+    return [sum(metric(url, name, **labels)) for name, labels in COUNTED]
+
+
+def run_plan(plan: str, url: str, out: Path, *extra: str) -> dict[str, Any]:
+    """``tandem chaos run PLAN [extra...]`` against the session's cluster, as a user runs
+    it."""
+    import ray
+
+    before = counters(url)
+    tandem = Path(sys.executable).with_name("tandem")
+    run = subprocess.run(
+        [
+            str(tandem),
+            "chaos",
+            "run",
+            plan,
+            "--address",
+            ray.get_runtime_context().gcs_address,
+            "--url",
+            url,
+            "--out",
+            str(out),
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=os.environ.copy(),
+    )
+    return {
+        "rc": run.returncode,
+        "stderr": run.stderr,
+        "report": json.loads((out / "report.json").read_text()) if run.returncode < 2 else None,
+        "markdown": (out / "report.md").read_text() if run.returncode < 2 else "",
+        "png": out / "timeline.png",
+        "out": out,
+        "before": before,
+        "after": counters(url),
+        "url": url,
+    }
+
+
+def report_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's ``requests.jsonl``: a row per request."""
+    lines = (run["out"] / "requests.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]

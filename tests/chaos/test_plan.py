@@ -156,3 +156,19 @@ def test_bed_plans_need_a_bed_and_never_target_the_head(tmp_path: Path) -> None:
 def test_a_bed_plan_without_a_bed_is_a_clear_cli_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["chaos", "run", "partition"]) == 2
     assert "plan 'partition' needs a test bed: add --testbed N" in capsys.readouterr().err
+
+
+def test_the_fp32_plan_runs_on_its_float32_topology_and_refuses_another() -> None:
+    """Its greedy outputs are checked against transformers, exact only in float32: it names
+    its topology (the CLI's default for it), and a run on a bf16 one refuses before any Ray
+    call."""
+    from chaos.run import ChaosRun
+    from tandem.deployment import DEFAULT_TOPOLOGY
+    from tandem.topology import load_topology
+
+    plan = load_plan("fp32")
+    assert plan.checks.transformers_greedy and plan.topology == "local-fp32"
+    fp32 = load_topology(DEFAULT_TOPOLOGY.with_name(f"{plan.topology}.yaml"))
+    assert fp32.model.dtype == "float32"
+    with pytest.raises(ValueError, match="exact only in float32.*this one: auto"):
+        ChaosRun(plan, load_topology(DEFAULT_TOPOLOGY), "http://127.0.0.1:9", print)

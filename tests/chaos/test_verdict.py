@@ -14,6 +14,7 @@ from chaos.verdict import (
     RECOVERY_WINDOW_S,
     Attempt,
     detection_s,
+    differs_from_transformers,
     false_alarms,
     mismatch,
     recovery_s,
@@ -210,3 +211,18 @@ def test_stranded_kv_is_held_by_survivors_for_attempts_whose_peer_was_killed() -
     assert (s.attempts, s.blocks) == (1, 3)
     assert s.block_seconds == pytest.approx(1.5) and s.worst_s == pytest.approx(0.5)
     assert s.per_block_s == pytest.approx(0.5)
+
+
+def test_a_greedy_request_must_equal_transformers_or_be_cut_with_a_prefix() -> None:
+    names = ["a", " bc", " d"]
+    assert differs_from_transformers(got(3), names) is None
+    assert differs_from_transformers(got(2), names) == (
+        "2 tokens, transformers 3; first difference at None"
+    )
+    assert differs_from_transformers(got(3, tokens=["a", " x", " d"]), names) == (
+        "3 tokens, transformers 3; first difference at 1"
+    )
+    assert differs_from_transformers(got(2, "error"), names) is None  # cut: a prefix
+    assert differs_from_transformers(got(2, "hung", tokens=["a", " d"]), names) == (
+        "the tokens received are not a prefix of transformers'"
+    )

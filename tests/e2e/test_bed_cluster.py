@@ -148,11 +148,11 @@ class Served:
 
 @pytest.fixture(scope="module")
 def cluster(bed: Testbed) -> Iterator[Served]:
-    testbed.ray_up()
+    testbed.ray_up(bed.cluster_file)
     served = Served(bed, testbed.serve_on_head(bed, TOPOLOGY))
     yield served
     testbed.stop_serving(bed, served.proc)
-    testbed.ray_down()
+    testbed.ray_down(bed.cluster_file)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ say what happened. The Prometheus counters the report's plots come from moved wi
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import re
 import subprocess
@@ -19,10 +18,11 @@ from typing import Any
 
 import pytest
 import ray
+from helpers import report_rows, run_plan
 
 from chaos.inject import Injector, Worker
 from chaos.load import InThread, Sender, requests_of
-from chaos.probe import metric, wait_all_up
+from chaos.probe import wait_all_up
 from chaos.reference import expected, reference_engine
 from chaos.sabotage import CHECK, Kind
 from chaos.verdict import mismatch
@@ -34,63 +34,6 @@ from tandem.testbed import Host
 from tandem.topology import load_topology
 
 pytestmark = pytest.mark.e2e
-
-
-# The counters the run must move: (name, labels).
-COUNTED = [
-    ("tandem_worker_failures_detected_total", {}),
-    ("tandem_transport_failures_total", {"kind": "integrity"}),
-    ("tandem_migrations_total", {}),
-    ("tandem_retries_total", {}),
-]
-
-
-def counters(url: str) -> list[float]:
-    """Each of COUNTED's sum over its samples."""
-    return [sum(metric(url, name, **labels)) for name, labels in COUNTED]
-
-
-def run_plan(plan: str, url: str, out: Path, *extra: str) -> dict[str, Any]:
-    """``tandem chaos run PLAN [extra...]`` against the session's cluster, as a user runs
-    it."""
-    before = counters(url)
-    tandem = Path(sys.executable).with_name("tandem")
-    run = subprocess.run(
-        [
-            str(tandem),
-            "chaos",
-            "run",
-            plan,
-            "--address",
-            ray.get_runtime_context().gcs_address,
-            "--url",
-            url,
-            "--out",
-            str(out),
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=os.environ.copy(),
-    )
-    return {
-        "rc": run.returncode,
-        "stderr": run.stderr,
-        "report": json.loads((out / "report.json").read_text()) if run.returncode < 2 else None,
-        "markdown": (out / "report.md").read_text() if run.returncode < 2 else "",
-        "png": out / "timeline.png",
-        "out": out,
-        "before": before,
-        "after": counters(url),
-        "url": url,
-    }
-
-
-def report_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """The run's ``requests.jsonl``: a row per request."""
-    lines = (run["out"] / "requests.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines]
 
 
 @pytest.fixture(scope="module")

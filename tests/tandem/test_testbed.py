@@ -17,7 +17,7 @@ import pytest
 from helpers import skip_unless_bed_possible
 
 from tandem import testbed
-from tandem.testbed import Testbed, TestbedUnavailable
+from tandem.testbed import Host, Testbed, TestbedUnavailable
 
 pytestmark = pytest.mark.e2e  # it starts sshd processes
 
@@ -249,19 +249,19 @@ NODES_PROBE = (
 
 
 def test_ray_up_starts_a_cluster_labelled_by_host_on_the_bed(state_dir: Path) -> None:
-    """`ray up deploy/cluster-testbed.yaml` on a 3-host bed: a head and two workers, each Ray
-    node on its host's address with its host's failure domain (Ray's own node table); `ray
-    down` then `tandem testbed down` leave nothing."""
+    """`ray up` of the cluster file a 4-host bed of domains a, b writes: a head and three
+    workers, each Ray node on its host's address with its host's failure domain, in turn (Ray's
+    own node table); `ray down` then `tandem testbed down` leave nothing."""
     import json
     import sys
 
-    testbed.up(3, ["a", "b", "c"])  # the default state dir: the cluster file reads it
+    bed = testbed.up(4, ["a", "b"])  # the default state dir: the cluster file reads it
     try:
-        testbed.ray_up()
+        testbed.ray_up(bed.cluster_file)
         env = {"PATH": "/usr/bin:/bin", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
         nodes: dict[str, str] = {}
         deadline = time.monotonic() + 120
-        while len(nodes) < 3 and time.monotonic() < deadline:
+        while len(nodes) < 4 and time.monotonic() < deadline:
             time.sleep(2)
             out = subprocess.run(
                 ["ip", "netns", "exec", "tdm-h0", sys.executable, "-c", NODES_PROBE],
@@ -272,8 +272,33 @@ def test_ray_up_starts_a_cluster_labelled_by_host_on_the_bed(state_dir: Path) ->
             )
             if out.returncode == 0:
                 nodes = json.loads(out.stdout.strip().splitlines()[-1])
-        assert nodes == {"10.213.0.1": "a", "10.213.0.2": "b", "10.213.0.3": "c"}
-        testbed.ray_down(check=True)
+        assert nodes == {"10.213.0.1": "a", "10.213.0.2": "b", "10.213.0.3": "a", "10.213.0.4": "b"}
+        testbed.ray_down(bed.cluster_file, check=True)
     finally:
         testbed.down()
     assert testbed.namespaces() == [] and testbed.links() == []
+
+
+def test_the_cluster_file_is_written_for_the_beds_hosts_and_domains() -> None:
+    """deploy/cluster-testbed.yaml is the 3-host case of what ``tandem testbed up`` writes;
+    another bed gets its own hosts, each worker's domain found by its address."""
+    import yaml
+
+    home = Path.home() / ".cache" / "tandem" / "testbed"
+
+    def bed(n: int, domains: str, state: Path = home) -> Testbed:
+        hosts = [
+            Host(f"tdm-h{i}", f"10.213.0.{i + 1}", domains[i % len(domains)]) for i in range(n)
+        ]
+        return Testbed(hosts, "10.213.0.254", state / "id_ed25519", state)
+
+    shipped = yaml.safe_load(testbed.CLUSTER_FILE.read_text())
+    assert testbed.cluster_config(bed(3, "abc")) == shipped
+    five = testbed.cluster_config(bed(5, "ab", Path("/srv/bed")))
+    assert five["provider"]["head_ip"] == "10.213.0.1"
+    assert five["provider"]["worker_ips"] == [f"10.213.0.{i}" for i in range(2, 6)]
+    assert five["auth"]["ssh_private_key"] == "/srv/bed/id_ed25519"
+    head, worker = five["head_start_ray_commands"][1], five["worker_start_ray_commands"][1]
+    assert head.endswith("--labels=tandem/failure-domain=a") and "cat /srv/bed/checkout" in head
+    arms = [f'*" 10.213.0.{i + 1} "*) host=tdm-h{i}; domain={"ab"[i % 2]} ;;' for i in range(1, 5)]
+    assert all(arm in worker for arm in arms) and "10.213.0.1 " not in worker

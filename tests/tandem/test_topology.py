@@ -23,9 +23,10 @@ EXAMPLES = sorted(TOPOLOGIES.glob("*.yaml"))
 PAIR = "pools: {prefill: {replicas: 1}, decode: {replicas: 1}}\n"
 
 
-def test_the_five_examples_are_there() -> None:
+def test_the_six_examples_are_there() -> None:
     assert [p.name for p in EXAMPLES] == [
         "local-colocated.yaml",
+        "local-fp32.yaml",
         "local.yaml",
         "one-gpu-node.yaml",
         "testbed.yaml",
