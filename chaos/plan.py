@@ -308,6 +308,11 @@ class Checks(ConfigSection):
     settle_s: float = Field(
         60.0, gt=0, description="after the load: how long pools may take to return to baseline"
     )
+    load_only: bool = Field(
+        False,
+        description="a plan without faults: also no KV lease may expire, no transfer be "
+        "aborted, no attempt be retried or migrated (load alone costs no prompt twice; P9)",
+    )
     transformers_greedy: bool = Field(
         False,
         description="also check each greedy request's token ids against transformers' greedy "

@@ -93,7 +93,7 @@ class ChaosRun:
         await self._same_cluster()
         await self._all_idle("before the run")
         await self._plant()
-        requests_before = _requests_total(self.url)
+        totals_before = _totals(self.url)
         plan = schedule(self.plan.load)
         a = self.plan.load.arrivals
         load = f"{a.concurrency} clients" if a.process == "closed" else f"{len(plan)} requests"
@@ -122,7 +122,7 @@ class ChaosRun:
         await self.read_decisions()
         self.health = await _ask(self.router.health_events(), [])
         records = await self._records()
-        requests_after = _requests_total(self.url)
+        totals_after = _totals(self.url)
         fired = await self._fired()
         self.say("computing the fault-free reference")
         outcomes = [self.sender.outcomes[p.index] for p in plan]
@@ -140,7 +140,7 @@ class ChaosRun:
             load_end,
             leaks,
             records,
-            (requests_before, requests_after),
+            (totals_before, totals_after),
         )
 
     async def _fault(self, fault: Fault, start: float) -> None:
@@ -267,7 +267,7 @@ class ChaosRun:
         load_end: float,
         leaks: dict[str, str],
         records: dict[str, list[dict[str, Any]]],
-        requests_total: tuple[float | None, float | None],
+        totals: tuple[Totals | None, Totals | None],
     ) -> v.Summary:
         events = self._events(load_end)
         rows: list[dict[str, Any]] = []
@@ -306,7 +306,7 @@ class ChaosRun:
             leaks,
             (missing, repeated),
             strand,
-            requests_total,
+            totals,
             start,
         )
         if self.plan.checks.transformers_greedy:
@@ -460,7 +460,7 @@ class ChaosRun:
         leaks: dict[str, str],
         record_faults: tuple[list[str], list[str]],
         strand: v.Stranded,
-        requests_total: tuple[float | None, float | None],
+        totals: tuple[Totals | None, Totals | None],
         start: float,
     ) -> list[v.Check]:
         c = self.plan.checks
@@ -540,7 +540,7 @@ class ChaosRun:
                 "all",
             ),
         ]
-        return checks + _optional_checks(c, plan, outcomes, faults, events, requests_total)
+        return checks + _optional_checks(c, plan, outcomes, faults, events, totals)
 
 
 def _late_detections(faults: list[v.FaultRow], c: Checks, heartbeat_s: float) -> list[str]:
@@ -579,23 +579,35 @@ def _optional_checks(
     outcomes: list[Outcome],
     faults: list[v.FaultRow],
     events: list[FaultEvent],
-    requests_total: tuple[float | None, float | None],
+    totals: tuple[Totals | None, Totals | None],
 ) -> list[v.Check]:
-    """The checks a run makes only when it can: the ingress's records (unless a fault
-    killed it, and its counters with it), and recovery (when the plan bounds it)."""
+    """The checks a run makes only when it can: the ingress's records and, for a load-only
+    plan, its lease, transfer and retry counters (unless a fault killed the ingress, and its
+    counters with it); recovery (when the plan bounds it)."""
     checks = []
-    before, after = requests_total
+    before, after = totals
     ingress_killed = any(e.kind == "kill_ingress" for e in events)
     if before is not None and after is not None and not ingress_killed:
+        moved = {name: after[name] - before[name] for name in TOTALS}
         sent = sum(p.body.get("n", 1) for p, o in zip(plan, outcomes, strict=True) if o.sent)
         checks.append(
             v.Check(
                 "one client record per choice sent (ingress)",
-                after - before == sent,
-                f"{after - before:.0f} records for {sent} choices",
+                moved["requests"] == sent,
+                f"{moved['requests']:.0f} records for {sent} choices",
                 "equal",
             )
         )
+        if c.load_only:
+            costs = {k: n for k, n in moved.items() if k != "requests"}
+            checks.append(
+                v.Check(
+                    "load alone: no lease expired, transfer aborted, retry or migration",
+                    not any(costs.values()),
+                    ", ".join(f"{k} {n:.0f}" for k, n in costs.items()),
+                    "all 0",
+                )
+            )
     if c.max_recovery_s is not None:
         times = [f.recovery_s for f in faults]
         ok = all(t is not None and t <= c.max_recovery_s for t in times)
@@ -611,9 +623,20 @@ async def _ask(ref: Any, default: Any, timeout_s: float = 10.0) -> Any:
         return default
 
 
-def _requests_total(url: str) -> float | None:
-    """The sum of the ingress's ``tandem_requests_total`` (every client record)."""
+# The ingress's counters a run reads before and after: (name, labels) by what they count.
+TOTALS: dict[str, tuple[str, dict[str, str]]] = {
+    "requests": ("tandem_requests_total", {}),  # every client record
+    "leases_expired": ("tandem_kv_lease_expired_total", {}),
+    "transfers_aborted": ("tandem_transport_failures_total", {"kind": "aborted"}),
+    "retries": ("tandem_retries_total", {}),
+    "migrations": ("tandem_migrations_total", {}),
+}
+Totals = dict[str, float]
+
+
+def _totals(url: str) -> Totals | None:
+    """Each of TOTALS summed over its samples (None: the ingress does not answer)."""
     try:
-        return sum(metric(url, "tandem_requests_total"))
+        return {k: sum(metric(url, name, **labels)) for k, (name, labels) in TOTALS.items()}
     except OSError:
         return None

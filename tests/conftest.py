@@ -262,8 +262,6 @@ def ray_session(
 # run): everything under tests/e2e/, and any test using a fixture that starts Ray or a gRPC
 # server; tests that start one inline are marked where they are written.
 _SERVICE_FIXTURES = frozenset({"ray_session", "server", "bed"})
-# The test bed's long fault tests run on demand (``make test-bed``), not in CI.
-_BED_FULL = pytest.mark.skip(reason="a long test-bed test: TANDEM_BED_FULL=1 (make test-bed)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -271,8 +269,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         in_e2e = "e2e" in item.path.relative_to(Path(__file__).parent).parts[:-1]
         if in_e2e or _SERVICE_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.e2e)
-        if "bed_full" in item.keywords and not os.environ.get("TANDEM_BED_FULL"):
-            item.add_marker(_BED_FULL)
 
 
 @pytest.fixture(autouse=True)

@@ -172,3 +172,30 @@ def test_the_fp32_plan_runs_on_its_float32_topology_and_refuses_another() -> Non
     assert fp32.model.dtype == "float32"
     with pytest.raises(ValueError, match="exact only in float32.*this one: auto"):
         ChaosRun(plan, load_topology(DEFAULT_TOPOLOGY), "http://127.0.0.1:9", print)
+
+
+def test_a_load_only_plan_fails_on_any_lease_expired_transfer_aborted_retry_or_migration() -> None:
+    """`long-prompts` (no fault): the ingress's counters must not move but its records."""
+    from chaos.load import Outcome, schedule
+    from chaos.run import TOTALS, _optional_checks
+
+    plan = load_plan("long-prompts")
+    assert plan.checks.load_only and plan.checks.max_failed == 0 and not plan.faults
+    planned = schedule(plan.load)[:2]
+    outcomes = [Outcome(p.index, 0.0, sent=1.0, status="ok") for p in planned]
+    before = dict.fromkeys(TOTALS, 10.0)
+
+    def checks(**moved: float) -> list[tuple[str, bool, str]]:
+        after = {k: v + 2.0 * (k == "requests") + moved.get(k, 0.0) for k, v in before.items()}
+        out = _optional_checks(plan.checks, planned, outcomes, [], [], (before, after))
+        return [(c.name, c.passed, c.measured) for c in out]
+
+    load = "load alone: no lease expired, transfer aborted, retry or migration"
+    assert checks()[1] == (
+        load,
+        True,
+        "leases_expired 0, transfers_aborted 0, retries 0, migrations 0",
+    )
+    for name in ("leases_expired", "transfers_aborted", "retries", "migrations"):
+        assert checks(**{name: 1.0})[1][:2] == (load, False)
+    assert checks(requests=1.0)[0][1] is False  # a client record too many

@@ -11,7 +11,8 @@ seeds): text and every logprob equal, after migrations and retries too. Ray's ow
 table, its actors) is read by a driver on the head host.
 
 The tests run in order on one cluster; each leaves it whole again (hosts revived, Ray nodes
-restarted, every worker up). CI runs the ones not marked ``bed_full``; ``make test-bed`` runs all.
+restarted, every worker up). CI runs them all (about 4 minutes with the bed's other tests);
+``make test-bed`` runs only the bed's.
 """
 
 from __future__ import annotations
@@ -330,7 +331,6 @@ def test_a_killed_decode_host_migrates_its_streams_and_comes_back(
     again.assert_reference(engine)
 
 
-@pytest.mark.bed_full
 def test_a_partitioned_host_is_failed_then_readmitted_with_its_index_resynced(
     cluster: Served, url: str, engine: LLMEngine
 ) -> None:
@@ -374,7 +374,6 @@ def test_a_partitioned_host_is_failed_then_readmitted_with_its_index_resynced(
     assert credited() == {name: pool["cached"] for name, pool in held.items()}
 
 
-@pytest.mark.bed_full
 def test_losing_a_domain_leaves_the_rest_serving(
     cluster: Served, url: str, engine: LLMEngine
 ) -> None:
@@ -392,7 +391,6 @@ def test_losing_a_domain_leaves_the_rest_serving(
     bring_back(bed, victim)
 
 
-@pytest.mark.bed_full
 def test_kv_over_torch_gloo_between_hosts_answers_as_the_engine(
     cluster: Served, url: str, engine: LLMEngine, tmp_path: Path
 ) -> None:
