@@ -176,4 +176,5 @@ def worker_view(s: WorkerState) -> dict[str, Any]:
         "kv_blocks": s.info.num_kv_blocks,
         "cached_blocks": s.cached_blocks,
         "prefix_hit_ratio": s.report.prefix_hit_ratio,
+        "numerics": s.info.numerics,  # its numerics class: requests never cross one
     }

@@ -299,6 +299,7 @@ class Coordinator:
             tenant=spec.cache_salt,
             deadline=spec.deadline,
             client_request_id=spec.request_id,
+            numerics=exclusions.numerics,
         )
         decision = await self._admit(route, spec.deadline)
         aid = attempt.key
@@ -333,6 +334,9 @@ class Coordinator:
                 yield delta
             over = True
         finally:
+            if stream.tokens and not exclusions.numerics:  # the stream's bits: keep them
+                info = self.infos.get(decision.decode)
+                exclusions.numerics = info.numerics if info else ""
             if prefill is not None:
                 ray.cancel(prefill)  # a prefill still holding its lease lets it go
             hub.close(aid, stop=not over)  # a decode still running stops and frees its KV

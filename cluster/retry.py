@@ -113,6 +113,9 @@ class Exclusions:
 
     workers: set[str] = field(default_factory=set)
     domains: set[str] = field(default_factory=set)
+    # The numerics class of the workers whose tokens the client has: a migration stays in it
+    # (its continuation the same bits as the fault-free stream's; "" before any token).
+    numerics: str = ""
 
     def failed(self, worker: str) -> None:
         self.workers.add(worker)

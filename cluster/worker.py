@@ -201,6 +201,7 @@ class EngineWorker:
             max_num_seqs=self.engine.config.max_num_seqs,
             num_kv_blocks=self.engine.kv.num_kv_blocks,
             admission_output_tokens=self.engine.config.admission_output_tokens,
+            numerics=self.engine.numerics,
         )
 
     async def set_faults(self, plan: FaultPlan) -> None:

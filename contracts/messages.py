@@ -44,6 +44,9 @@ class WorkerInfo:
     max_num_seqs: int = 1  # batch slots
     num_kv_blocks: int = 0  # blocks in the KV pool
     admission_output_tokens: int | None = None  # predicted output reserved; None: max_tokens
+    # Which bits its engine computes (engine.model.DecoderModel.numerics): the router pairs a
+    # prefill with a decode worker, and migrates a stream, only within one class ("": unknown).
+    numerics: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -154,6 +154,9 @@ class RouteRequest:
     tenant: str = ""
     deadline: float | None = None  # absolute time.time()
     client_request_id: str = ""  # the client request it is an attempt of (the decision log's)
+    # The numerics class every replica must be of: that of the workers whose tokens the client
+    # already has (a migration keeps the stream's bits); "" any.
+    numerics: str = ""
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:

@@ -216,6 +216,11 @@ class AsyncLLMEngine:
         return self.engine.model_config.vocab_size
 
     @property
+    def numerics(self) -> str:
+        """The model's numerics class (which workers may share a request)."""
+        return self.engine.runner.model.numerics
+
+    @property
     def config(self) -> EngineConfig:
         return self.engine.config
 

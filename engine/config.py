@@ -115,6 +115,14 @@ class EngineConfig(BaseModel):
         "Needs the compiled CPU kernels; the engine refuses to start without them (or on CUDA) "
         "unless this is false",
     )
+    invariant_layout: Literal["auto", "columns"] = Field(
+        "auto",
+        description="the batch-invariant GEMM's reduction layout, which decides the bits "
+        "(docs/design.md#numerics-classes): 'auto' is the fastest here -- bf16 pairs on an "
+        "AVX512-BF16 CPU, 16-column FMA panels elsewhere; 'columns' is the portable one, the "
+        "same bits on AVX2 and AVX-512 CPUs, for a cluster that mixes them (slower where pairs "
+        "would run). Workers of different classes never share a request",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,

@@ -74,16 +74,24 @@ class Linear:
     * ``plain`` -- anything else (fp32, CUDA): ``F.linear``.
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, mode: LinearMode | None = None):
+    def __init__(
+        self,
+        weight: Tensor,
+        bias: Tensor | None,
+        mode: LinearMode | None = None,
+        portable: bool = False,
+    ):
         self.mode = mode or default_linear_mode(weight)
         self.bias = bias
         self.weight: Tensor | None = weight
         self.packed: Tensor | None = None
         self.out_features = weight.shape[0]
-        # The invariant kernel's layout: bf16 pairs where the CPU has AVX512-BF16.
+        # The invariant kernel's layout: bf16 pairs where the CPU has AVX512-BF16, unless the
+        # portable one (columns, the same bits on AVX2 and AVX-512) is asked for.
         self.pairs = (
             self.mode == "invariant"
             and weight.dtype == torch.bfloat16
+            and not portable
             and kernels.bf16_pairs_supported()
         )
         if self.mode == "invariant":
@@ -191,6 +199,7 @@ class DecoderModel:
         weights: dict[str, Tensor],
         device: torch.device,
         deterministic: bool = False,
+        portable: bool = False,
     ):
         self.config = config
         self.device = device
@@ -209,12 +218,12 @@ class DecoderModel:
             biases = [p + ".bias" for p in prefixes if p + ".bias" in weights]
             bias = fused(biases) if biases and len(biases) == len(prefixes) else None
             weight = fused([p + ".weight" for p in prefixes])
-            return Linear(weight, bias, default_linear_mode(weight, deterministic))
+            return Linear(weight, bias, default_linear_mode(weight, deterministic), portable)
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         head = self.embed if c.tie_word_embeddings else get("lm_head.weight")
-        self.lm_head = Linear(head, None, default_linear_mode(head, deterministic))
+        self.lm_head = Linear(head, None, default_linear_mode(head, deterministic), portable)
         self.layers: list[LayerWeights] = []
         for i in range(c.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -230,6 +239,17 @@ class DecoderModel:
             )
         self.inv_freq = rope_inv_freq(c).to(device)
         self.scale = c.head_dim**-0.5
+
+    @property
+    def numerics(self) -> str:
+        """This model's numerics class (docs/design.md#numerics-classes): what decides its
+        bits. Engines of one class compute the same bits for the same tokens; ``fastest``
+        (not deterministic) promises nothing across engines."""
+        head = self.lm_head
+        if head.mode != "invariant":
+            return "fastest"
+        dtype = str(self.config.dtype).removeprefix("torch.")
+        return f"{dtype}/invariant/{'pairs' if head.pairs else 'columns'}"
 
     def forward(
         self,

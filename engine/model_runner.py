@@ -75,7 +75,13 @@ class ModelRunner:
         self.num_host_blocks = config.swap_space_bytes // block_bytes
         check_deterministic(config, device)
         self.deterministic = config.deterministic
-        self.model = DecoderModel(mc, ckpt.weights, device, deterministic=self.deterministic)
+        self.model = DecoderModel(
+            mc,
+            ckpt.weights,
+            device,
+            deterministic=self.deterministic,
+            portable=config.invariant_layout == "columns",
+        )
         # Zeros, not empty: decode reads padding slots (masked out, weight 0), and 0 * NaN from
         # uninitialised memory would still poison the output.
         self.kv_cache = _zeros(self._cache_shape(self.num_blocks), mc.dtype, device)

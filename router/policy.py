@@ -102,9 +102,13 @@ def choose(
             chosen = _pick(fits, hot_domains=_hot_domains(local))
             return _one_replica(request, Mode.LOCAL_PREFILL, chosen, local, skipped)
 
-    prefillers = _eligible(Role.PREFILL, by_role[Role.PREFILL], request, skipped)
+    prefillers = _paired(
+        _eligible(Role.PREFILL, by_role[Role.PREFILL], request, skipped), decoders, request, skipped
+    )
     prefill_scores = _prompt_scores(prefillers, hits, request, config)
     prefill = _pick(prefill_scores)
+    numerics = next(p.info.numerics for p in prefillers if p.name == prefill.name)
+    decoders = [d for d in decoders if d.info.numerics == numerics]
     decode_scores = _decode_scores(decoders, prefill.domain, config.weights)
     decode = _pick(decode_scores, hot_domains=set())
     return Decision(
@@ -139,6 +143,8 @@ def _eligible(
             reasons[worker.name] = UNHEALTHY
         elif worker.name in request.exclude_workers:
             reasons[worker.name] = "excluded"
+        elif request.numerics and worker.info.numerics != request.numerics:
+            reasons[worker.name] = f"numerics {worker.info.numerics}, not the stream's"
         elif steer and worker.domain in request.exclude_domains:
             reasons[worker.name] = f"in excluded domain {worker.domain}"
         elif not has_room(worker, request, prefill_only=role is Role.PREFILL):
@@ -149,6 +155,28 @@ def _eligible(
     if not eligible:
         raise NoReplicaAvailable(role.value, request.request_id, reasons)
     return eligible
+
+
+def _paired(
+    prefillers: list[WorkerState],
+    decoders: list[WorkerState],
+    request: RouteRequest,
+    skipped: dict[str, str],
+) -> list[WorkerState]:
+    """The prefill workers some eligible decode worker computes the same bits as (their KV
+    and first token continue there: docs/design.md#numerics-classes); the others go to
+    ``skipped``. Raises NoReplicaAvailable when none is left."""
+    classes = {d.info.numerics for d in decoders}
+    paired = [p for p in prefillers if p.info.numerics in classes]
+    reasons = {
+        p.name: f"no decode worker of its numerics {p.info.numerics}"
+        for p in prefillers
+        if p.info.numerics not in classes
+    }
+    skipped.update(reasons)
+    if not paired:
+        raise NoReplicaAvailable(Role.PREFILL.value, request.request_id, reasons)
+    return paired
 
 
 def needed_blocks(worker: WorkerState, request: RouteRequest, prefill_only: bool) -> int:

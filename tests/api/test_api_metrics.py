@@ -449,6 +449,7 @@ def test_worker_view_names_the_state_and_every_field() -> None:
         max_num_seqs=16,
         num_kv_blocks=100,
         cached_blocks=7,
+        numerics="bfloat16/invariant/columns",
     )
     assert worker_view(s) == {
         "name": "decode-1",
@@ -462,6 +463,7 @@ def test_worker_view_names_the_state_and_every_field() -> None:
         "kv_blocks": 100,
         "cached_blocks": 7,
         "prefix_hit_ratio": 0.5,
+        "numerics": "bfloat16/invariant/columns",
     }
     starting = worker_state("decode-0", Role.DECODE, "a", healthy=False)
     assert worker_view(starting)["state"] == "starting"

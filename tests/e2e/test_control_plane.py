@@ -35,6 +35,7 @@ from chaos.reference import Expected, expected, reference_engine
 from chaos.verdict import mismatch
 from contracts.actors import RouterClient
 from contracts.roles import NAMESPACE, ROUTER_NAME
+from engine import kernels
 from engine.engine import LLMEngine
 from router.health import FIRST_LOOK_MIN_S
 from tandem.topology import load_topology
@@ -176,6 +177,9 @@ def test_health_and_the_router_view_at_full_capacity(
     assert view["status"] == "ok" and view["retry_budget_tokens"] == 0.0
     assert view["admission_queue"] == {"waiting": 0, "most_waiting": 0}
     assert view["workers"][0]["cached_blocks"] > 0  # the reference prompts' blocks
+    # Every worker computes the same bits (one class: docs/design.md#numerics-classes).
+    layout = "pairs" if kernels.bf16_pairs_supported() else "columns"
+    assert {w["numerics"] for w in view["workers"]} == {f"bfloat16/invariant/{layout}"}
     out = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "status", "--url", server],
         capture_output=True,

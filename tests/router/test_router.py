@@ -644,3 +644,44 @@ def test_worker_state_accepts_its_boundary_values() -> None:
     state = worker_state("decode-0", Role.DECODE, "a", kv_usage=1.0, block_size=1)
     assert (state.report.kv_usage, state.info.block_size) == (1.0, 1)
     worker_state("decode-1", Role.DECODE, "a", kv_usage=0.0, queue_depth=0, num_running=0)
+
+
+CLASSES = ("bfloat16/invariant/pairs", "bfloat16/invariant/columns")
+
+
+@given(
+    classes=st.lists(st.sampled_from(CLASSES), min_size=4, max_size=8),
+    healthy=st.lists(st.booleans(), min_size=8, max_size=8),
+    pinned=st.sampled_from(("", *CLASSES)),
+    local=st.booleans(),
+)
+def test_a_request_never_crosses_numerics_classes(
+    classes: list[str], healthy: list[bool], pinned: str, local: bool
+) -> None:
+    """Workers of different numerics classes (CPU families whose kernels sum in different
+    orders) never share a request: a prefill goes with a decode worker of its class, and a
+    stream pinned to a class (it has tokens: a migration) goes only to that class. When no
+    pair of one class exists, no replica: never a mixed pair."""
+    half = len(classes) // 2
+    workers = [
+        worker(f"{'prefill' if i < half else 'decode'}-{i}", "a", healthy=healthy[i], numerics=c)
+        for i, c in enumerate(classes)
+    ]
+    config = RouterConfig() if local else NO_LOCAL
+    tokens = PROMPT[:40] if local else PROMPT
+    of = {w.name: w.info.numerics for w in workers}
+    try:
+        d = choose(request(tokens, numerics=pinned), workers, PrefixIndex(), config)
+    except NoReplicaAvailable:
+        usable = [w for w in workers if w.healthy and (not pinned or of[w.name] == pinned)]
+        decoders = {of[w.name] for w in usable if w.role is Role.DECODE}
+        if local:
+            assert not decoders  # a short prompt prefills on any decode worker of the class
+        else:
+            assert not {of[w.name] for w in usable if w.role is Role.PREFILL} & decoders
+        return
+    assert not pinned or of[d.decode] == pinned
+    if d.prefill is not None:
+        assert of[d.prefill] == of[d.decode]
+        skipped = {n: why for n, why in d.skipped.items() if why.startswith("no decode worker")}
+        assert all(of[n] != of[d.decode] for n in skipped)
