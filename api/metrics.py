@@ -340,6 +340,7 @@ class FailureCounts(Collector):
         self.transport: Mapping[str, int] = {}
         self.detected: Mapping[str, int] = {}
         self.leases_expired = 0
+        self.imports_parked = 0
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         families = (
@@ -383,6 +384,13 @@ class FailureCounts(Collector):
         )
         expired.add_metric([], self.leases_expired)
         yield expired
+        parked = CounterMetricFamily(
+            "tandem_kv_imports_parked",
+            "KV imports that waited on their decode worker for room (the router's ledger "
+            "counted room the engine did not have yet): a wait, not a failure.",
+        )
+        parked.add_metric([], self.imports_parked)
+        yield parked
 
 
 def log_record(t: RequestTiming) -> str:

@@ -101,6 +101,7 @@ class OperatorPlane:
             failures.detected = await _ask_router(self.router.failures_detected())
             states = await self._worker_states()
             failures.leases_expired = sum(s.report.leases_expired for s in states)
+            failures.imports_parked = sum(s.report.imports_parked for s in states)
             for s in states:
                 if s.healthy:
                     r = s.report

@@ -599,12 +599,13 @@ def _optional_checks(
             )
         )
         if c.load_only:
-            costs = {k: n for k, n in moved.items() if k != "requests"}
+            costs = {k: n for k, n in moved.items() if k not in ("requests", "imports_parked")}
             checks.append(
                 v.Check(
                     "load alone: no lease expired, transfer aborted, retry or migration",
                     not any(costs.values()),
-                    ", ".join(f"{k} {n:.0f}" for k, n in costs.items()),
+                    ", ".join(f"{k} {n:.0f}" for k, n in costs.items())
+                    + f" (imports parked: {moved['imports_parked']:.0f})",
                     "all 0",
                 )
             )
@@ -630,6 +631,7 @@ TOTALS: dict[str, tuple[str, dict[str, str]]] = {
     "transfers_aborted": ("tandem_transport_failures_total", {"kind": "aborted"}),
     "retries": ("tandem_retries_total", {}),
     "migrations": ("tandem_migrations_total", {}),
+    "imports_parked": ("tandem_kv_imports_parked_total", {}),  # a wait: reported, not judged
 }
 Totals = dict[str, float]
 

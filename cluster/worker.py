@@ -241,6 +241,7 @@ class EngineWorker:
             prefix_hit_ratio=stats.prefix_hit_ratio,
             claimed_blocks=engine.claimed_blocks,
             leases_expired=self.leases_expired(),
+            imports_parked=self.engine.imports_parked,
             admitted=tuple(engine.admitted),
         )
         return load, engine.kv_events

@@ -65,6 +65,7 @@ class WorkerLoad:
     prefix_hit_ratio: float = 0.0  # prompt tokens found in the prefix cache / looked up
     claimed_blocks: int = 0  # KV blocks reserved or held by its requests (leases included)
     leases_expired: int = 0  # KV leases this process let expire unclaimed (prefill workers)
+    imports_parked: int = 0  # KV imports that waited here for room (decode workers): a wait
     # Attempt ids its engine admitted since the last report: the router's ledger stops
     # counting them as promised-but-unseen (they are in queue_depth/num_running/claimed now).
     admitted: tuple[str, ...] = ()

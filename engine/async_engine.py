@@ -64,6 +64,7 @@ class _Add:
     # On NoRoom: wait (parked) and try again after each tick, until this deadline, if any.
     wait_for_room: bool = False
     deadline: float | None = None
+    parked: bool = False  # it has waited for room once (counted once)
 
 
 @dataclass
@@ -111,6 +112,7 @@ class AsyncLLMEngine:
         # Engine-thread only.
         self._streams: dict[str, RequestStream] = {}
         self._parked: list[_Add] = []  # imports waiting for room (NoRoom), in arrival order
+        self.imports_parked = 0  # imports that had to wait for room, ever (read anywhere)
         self._admitted: list[str] = []  # ids admitted since the last load() read
         self._stalled = False  # the last tick changed nothing (every live request paused)
         # Published by the engine thread after every tick, read by anyone.
@@ -422,6 +424,8 @@ class AsyncLLMEngine:
             result = command.admit(self.engine)
         except NoRoom as exc:
             if command.wait_for_room:
+                self.imports_parked += not command.parked
+                command.parked = True
                 self._parked.append(command)
                 return False
             _refuse(command, exc)
