@@ -28,6 +28,7 @@ its :class:`RequestRun` hands back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
@@ -46,6 +47,7 @@ from cluster.token_stream import Hub, Inbox
 from contracts.actors import RouterClient, WorkerClient
 from contracts.messages import KVPullFailed, KVSource, WorkerInfo
 from contracts.routing import (
+    HOLD_RENEW_S,
     UNAVAILABLE_RETRY_AFTER_S,
     AdmissionRefused,
     Decision,
@@ -161,6 +163,30 @@ class _HealthWatch:
                     self._events[name] = asyncio.Event()  # healthy again: a fresh watch
 
 
+class _Hold:
+    """Renews a coordinator's hold on its grants (``RouterActor.hold``) every HOLD_RENEW_S,
+    from one task per event loop: a coordinator that dies stops, and the router releases its
+    grants after ``router.admission.holder_timeout_s``."""
+
+    def __init__(self, router: RouterClient, holder: str) -> None:
+        self.router, self.holder = router, holder
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def ensure(self) -> None:
+        """Renewing from the running loop (a loop that ended took its task with it)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._task is None or self._task.done():
+            self._loop = loop
+            self._task = loop.create_task(self._renew())
+
+    async def _renew(self) -> None:
+        while True:
+            with contextlib.suppress(Exception):  # a restarting router: its ledger is new
+                await asyncio.wait_for(self.router.hold(self.holder), HOLD_RENEW_S * 2)
+            await asyncio.sleep(HOLD_RENEW_S)
+
+
 class Coordinator:
     def __init__(
         self,
@@ -185,6 +211,7 @@ class Coordinator:
         self._releases: set[asyncio.Task[None]] = set()  # grants being given back
         # The workers' token streams to this coordinator (made on the loop that reads them).
         self.consumer = f"coordinator-{uuid.uuid4().hex[:12]}"
+        self._hold = _Hold(router, self.consumer)  # the grants' holder: this coordinator
         self._hubs: dict[str, Hub] = {}
         self._hubs_loop: asyncio.AbstractEventLoop | None = None
 
@@ -300,6 +327,7 @@ class Coordinator:
             deadline=spec.deadline,
             client_request_id=spec.request_id,
             numerics=exclusions.numerics,
+            holder=self.consumer,
         )
         decision = await self._admit(route, spec.deadline)
         aid = attempt.key
@@ -348,6 +376,7 @@ class Coordinator:
         router actor restarts (Ray brings it back, and the workers' resyncs rebuild its view)
         wait for it -- up to the deadline (then DEADLINE_PASSED) or ``unavailable_wait_s``
         (then UNAVAILABLE: 503 with Retry-After)."""
+        self._hold.ensure()
         start = time.time()
         give_up = min(deadline or math.inf, start + self.unavailable_wait_s)
         backoff = 0.05

@@ -136,6 +136,9 @@ class WorkerState:
         return self.info.num_kv_blocks - self.report.claimed_blocks - self.promised_blocks
 
 
+HOLD_RENEW_S = 1.0  # how often a coordinator renews its hold on its grants
+
+
 @dataclass(frozen=True, slots=True)
 class RouteRequest:
     """One routing question. The exclusions carry a retry's history: never the worker or the
@@ -154,6 +157,9 @@ class RouteRequest:
     tenant: str = ""
     deadline: float | None = None  # absolute time.time()
     client_request_id: str = ""  # the client request it is an attempt of (the decision log's)
+    # The coordinator that holds the grant: it renews its hold (RouterActor.hold) every
+    # HOLD_RENEW_S; a grant whose holder fell silent is released ("": held until released).
+    holder: str = ""
     # The numerics class every replica must be of: that of the workers whose tokens the client
     # already has (a migration keeps the stream's bits); "" any.
     numerics: str = ""

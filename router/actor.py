@@ -288,10 +288,11 @@ class RouterActor:
                     silent = self.silence.silence_s(name, mono)
                     why = f"silent for {silent:.1f} s, and no answer to a direct probe"
                     self._fail(name, why, DetectedBy.HEARTBEAT)
-            if self.ledger.expire(now):
+            awake = now - (mono - self.clock.awake_since())  # the end of its last pause
+            if self.ledger.expire(now, self.config.admission.holder_timeout_s, awake):
                 self._pump()
             # Waiting for a worker to come back is measured in the router's awake time too.
-            since, awake = self._stalled_since, now - (mono - self.clock.awake_since())
+            since = self._stalled_since
             if since is not None:
                 waited = now - max(since, awake)
                 if waited > self.config.admission.unavailable_wait_s:
@@ -341,6 +342,10 @@ class RouterActor:
             self._waiting.pop(waiter, None)
             if self.queue.remove(waiter):
                 self._pump()  # the head left: the next one may fit
+
+    async def hold(self, holder: str) -> None:
+        """Coordinator ``holder`` is alive: its grants stay (it renews every HOLD_RENEW_S)."""
+        self.ledger.hold(holder, time.time())
 
     async def release(self, attempt_id: str) -> None:
         """The coordinator is done with ``attempt_id``'s grant (it ended, or never reached
@@ -418,6 +423,10 @@ class RouterActor:
     async def queue_stats(self) -> tuple[int, int]:
         """(requests waiting now, the most that ever waited at once)."""
         return len(self.queue), self.max_queued_seen
+
+    async def grants(self) -> dict[str, int]:
+        """Grants not yet released, per tenant (the queue's fair-share order reads them)."""
+        return dict(self.ledger.in_flight)
 
     async def decisions(self) -> list[dict[str, Any]]:
         return list(self.log)

@@ -1,17 +1,19 @@
 """Cluster admission (docs/design.md#cluster-admission): the seed's two-phase admission at the
 scale of a prefill -> decode path. No Ray here: the router actor (router/actor.py) drives it.
 
-A request enters the path only once its whole path is secured: a batch slot and the KV its
-engine will reserve on every worker of the attempt (the prefill worker, and the decode worker
-before any prefill work). Until then it waits in the :class:`AdmissionQueue`, or is refused
-before its first byte. Waiting is not a failure: it spends no attempt and no retry.
+A request enters the path only once the router's ledger has room for the whole path: a batch
+slot and the KV its engine will reserve on every worker of the attempt (the prefill worker and
+the decode worker). Until then it waits in the :class:`AdmissionQueue`, or is refused before
+its first byte. Waiting is not a failure: it spends no attempt and no retry. The engines are
+not asked here: a decode engine that finds no room when the KV arrives parks the import.
 
 What a worker has room for is its engine's limits minus what its last report says it holds,
 minus what the router granted that the worker has not reported yet (the :class:`Ledger`'s
 *promises*). A report lists the attempts its engine admitted since the one before; their
-promises end then (the load and KV claims of that report include them). So the router never
-grants more than an engine accepts, and a restarted router, whose ledger is empty, rebuilds
-the rest from the next reports.
+promises end then (the load and KV claims of that report include them), and a restarted
+router, whose ledger is empty, rebuilds the rest from the next reports. A grant is held by its
+coordinator, which renews its hold; one whose coordinator fell silent is released (a replica
+that died with requests admitted leaks nothing).
 
 Queue order: started streams (migrations, whose client has tokens) first, then by priority
 (lower first), then per-tenant fairness (the tenant with the fewest granted requests in flight),
@@ -162,6 +164,7 @@ class Grant:
     tenant: str
     granted: float
     promises: dict[str, int]  # worker -> blocks promised there, until the worker reports it
+    holder: str = ""  # the coordinator holding it ("": until released)
 
 
 class Ledger:
@@ -172,6 +175,7 @@ class Ledger:
         self.states = states
         self.grants: dict[str, Grant] = {}
         self.in_flight: dict[str, int] = {}  # tenant -> grants not yet released
+        self.holders: dict[str, float] = {}  # coordinator -> when it last renewed its hold
 
     def grant(self, decision: Decision, request: RouteRequest, now: float) -> Grant:
         """Record ``decision`` as granted: promise a slot and the blocks on its workers."""
@@ -183,13 +187,19 @@ class Ledger:
         promises[decision.decode] = needed_blocks(
             self.states[decision.decode], request, prefill_only=False
         )
-        grant = Grant(decision.request_id, request.tenant, now, promises)
+        grant = Grant(decision.request_id, request.tenant, now, promises, request.holder)
+        if request.holder:
+            self.hold(request.holder, now)
         self.release(grant.attempt_id)  # a repeated id replaces its grant, never adds to it
         self.grants[grant.attempt_id] = grant
         self.in_flight[grant.tenant] = self.in_flight.get(grant.tenant, 0) + 1
         for worker, blocks in promises.items():
             self._promise(worker, 1, blocks)
         return grant
+
+    def hold(self, holder: str, now: float) -> None:
+        """``holder`` (a coordinator) is alive: its grants stay."""
+        self.holders[holder] = now
 
     def admitted(self, worker: str, attempt_ids: tuple[str, ...]) -> None:
         """``worker`` reported admitting these attempts: its report counts them now."""
@@ -220,14 +230,24 @@ class Ledger:
         state = self.states[worker]
         state.promised_seqs = state.promised_blocks = 0
 
-    def expire(self, now: float | None = None) -> list[str]:
-        """Drop grants none of whose workers ever reported them within PROMISE_TTL_S."""
+    def expire(
+        self, now: float | None = None, holder_timeout_s: float = math.inf, awake: float = 0.0
+    ) -> list[str]:
+        """Drop grants none of whose workers ever reported them within PROMISE_TTL_S, and
+        grants whose holder has not renewed its hold for ``holder_timeout_s`` of the router's
+        awake time (``awake``: when the router's last pause ended -- a paused router saw no
+        renewal, and blames no holder for it)."""
         now = time.time() if now is None else now
+        silent = {
+            h for h, seen in self.holders.items() if now - max(seen, awake) > holder_timeout_s
+        }
         stale = [
             g.attempt_id
             for g in self.grants.values()
-            if now - g.granted > PROMISE_TTL_S and g.promises
+            if (now - g.granted > PROMISE_TTL_S and g.promises) or g.holder in silent
         ]
+        for holder in silent:
+            del self.holders[holder]
         for attempt_id in stale:
             self.release(attempt_id)
         return stale

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
+from contracts.routing import HOLD_RENEW_S
 from engine.config import ConfigSection
 
 
@@ -47,6 +48,14 @@ class AdmissionConfig(ConfigSection):
         description="how long a request waits while nothing can serve it (the router "
         "restarting, or every worker of a role it needs FAILED) before it is refused with 503 "
         "and Retry-After; capacity waits are bounded by the queue and the deadline instead",
+    )
+    holder_timeout_s: float = Field(
+        30.0,
+        ge=3 * HOLD_RENEW_S,
+        description="a grant whose coordinator (an ingress replica) has not renewed its hold "
+        "for this long is released: a replica that dies with requests admitted leaks no batch "
+        "slot, block or per-tenant count (coordinators renew every "
+        f"{HOLD_RENEW_S:g} s)",
     )
 
 

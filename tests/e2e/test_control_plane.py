@@ -53,7 +53,7 @@ pools:
 transport: grpc
 router:
   local_prefill_max_tokens: 0
-  admission: {{unavailable_wait_s: 10}}
+  admission: {{unavailable_wait_s: 10, holder_timeout_s: 3}}
 retry: {{max_attempts: 4, budget_ratio: 0.0, budget_burst: 0.0, backoff_s: 0.0}}
 heartbeat_interval_s: 0.2
 heartbeat_timeout_s: 2.0
@@ -319,12 +319,13 @@ def test_the_ingress_replica_killed_comes_back_on_its_port_with_the_same_cluster
     # replica noticed at the next 1 s health check, a new one started on two busy cores.
     assert back_in < 20.0, f"the port answered again after {back_in:.1f} s"
     # The load: what reached a server completed exactly, except what the dead replica held
-    # (one stream per client at most, open at the kill, cut with the connection: untyped).
+    # (open at the kill, or sent as it died: cut with the connection, untyped).
     served = [(p, o) for p, o in outcomes if not o.refused]
     cut = [o for _, o in served if o.status != "ok"]
     assert all(o.status == "error" and o.error_type is None for o in cut), cut
-    assert all((o.sent or 0) <= killed_at <= (o.finished or 0) for o in cut), cut
-    assert len(cut) <= 4
+    # (open at the kill, or sent into the dying replica's socket before the port was back)
+    assert all((o.sent or 0) <= killed_at + back_in and killed_at <= (o.finished or 0) for o in cut)
+    assert len(cut) <= 8, cut
     assert_exact([(p, o) for p, o in served if o.status == "ok"], reference)
     assert any((o.sent or 0) > killed_at + back_in for _, o in served if o.status == "ok")
     assert len([o for _, o in outcomes if o.refused]) > 0  # (sent while nothing listened)
@@ -333,6 +334,12 @@ def test_the_ingress_replica_killed_comes_back_on_its_port_with_the_same_cluster
     assert models.refused > 0 and models.outage_s(killed_at) < back_in + 1.0
     assert all(models.good[-5:]) and all(health.good[-5:]) and completion.good[-1]
     assert completion.outage_s(killed_at) >= models.outage_s(killed_at) - 0.5
+    # The dead replica's grants (held by its coordinator, which stopped renewing) are released
+    # after holder_timeout_s: the tenant's in-flight count, which orders the queue, is not leaked.
+    until = time.time() + 15
+    while (held := ray.get(router().grants(), timeout=30)) != {}:
+        assert time.time() < until, f"grants of the dead replica still held: {held}"
+        time.sleep(0.2)
     assert mismatch(o, reference[PROMPTS[0]]) is None
     assert {n: ray.get_actor(n, namespace=NAMESPACE)._actor_id.hex() for n in names} == ids
     assert cluster(server)["workers"][0]["cached_blocks"] >= cached

@@ -47,6 +47,7 @@ def route(
     priority: int = 0,
     tenant: str = "",
     deadline: float | None = None,
+    holder: str = "",
 ) -> RouteRequest:
     return RouteRequest(
         rid,
@@ -57,6 +58,7 @@ def route(
         priority=priority,
         tenant=tenant,
         deadline=deadline,
+        holder=holder,
     )
 
 
@@ -270,6 +272,29 @@ def test_a_repeated_attempt_id_replaces_its_grant() -> None:
     ledger.grant(decision("a@1"), route("a@1"), now=0.0)
     ledger.grant(decision("a@1"), route("a@1"), now=1.0)
     assert s["decode-0"].promised_seqs == 1 and ledger.in_flight == {"": 1}
+
+
+def test_a_grant_whose_holder_fell_silent_is_released() -> None:
+    """A coordinator renews its hold on its grants; an ingress replica that died with requests
+    admitted stops, and after the timeout its grants go -- slots, blocks and the tenant's
+    in-flight count (which orders the queue) -- while a live holder's and an unheld grant stay."""
+    s = states()
+    ledger = Ledger(s)
+    ledger.grant(decision("a@1"), route("a@1", tenant="t", holder="dead"), now=0.0)
+    ledger.grant(decision("b@1"), route("b@1", tenant="t", holder="alive"), now=0.0)
+    ledger.grant(decision("c@1"), route("c@1", tenant="u"), now=0.0)  # no holder
+    for name in ("prefill-0", "decode-0"):
+        ledger.admitted(name, ("a@1", "b@1", "c@1"))  # every promise reported: not expirable
+    assert ledger.in_flight == {"t": 2, "u": 1}
+    ledger.hold("alive", 20.0)
+    assert ledger.expire(now=25.0, holder_timeout_s=30.0) == []
+    assert ledger.expire(now=31.0, holder_timeout_s=30.0) == ["a@1"]
+    assert ledger.in_flight == {"t": 1, "u": 1} and set(ledger.grants) == {"b@1", "c@1"}
+    assert ledger.holders == {"alive": 20.0}
+    # A pause of the router (awake since 29 s) blames no holder for renewals it did not see.
+    assert ledger.expire(now=50.0, holder_timeout_s=30.0, awake=29.0) == []
+    assert ledger.expire(now=10 * PROMISE_TTL_S, holder_timeout_s=30.0) == ["b@1"]
+    assert set(ledger.grants) == {"c@1"}  # held until released
 
 
 # -- the router actor, driven directly -------------------------------------------------------------
