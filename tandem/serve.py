@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import random
 import signal
 import socket
 import sys
@@ -43,11 +45,24 @@ def direct_ingress_env(port: int) -> dict[str, str]:
     }
 
 
+# Where a port is picked for the HTTP endpoint (``port`` 0): below Linux's ephemeral range
+# (32768-60999), from which Ray's own components (GCS, raylet, runtime-env and dashboard agents)
+# take theirs when they start -- a port picked there before Ray starts can be taken by Ray
+# before the ingress binds it (seen in CI: the runtime-env agent on the ingress's port) -- and
+# above Ray's worker ports (10002-19999).
+PICK_PORTS = range(20000, 32768)
+
+
 def free_port(host: str, port: int = 0) -> int:
-    """``port`` if it is free to listen on at ``host`` (0: one the OS picks); else a
+    """``port`` if it is free to listen on at ``host`` (0: a free one from PICK_PORTS); else a
     ValueError naming the address, before anything starts. Checked as the server binds it
     (``SO_REUSEADDR``): connections of a server stopped a moment ago, in TIME_WAIT, do not make
     the port busy; a live listener does."""
+    if port == 0:
+        for candidate in random.sample(PICK_PORTS, 64):
+            with contextlib.suppress(ValueError):
+                return free_port(host, candidate)
+        raise ValueError(f"no free port to listen on at {host} in {PICK_PORTS}")
     with socket.socket() as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:

@@ -341,3 +341,17 @@ def test_a_port_is_waited_for_until_its_listener_goes() -> None:
     wait_port_free("127.0.0.1", port, 10.0)
     assert 0.3 <= time.time() - start < 5.0
     assert free_port("127.0.0.1", port) == port
+
+
+@pytest.mark.e2e  # it listens on loopback ports
+def test_a_picked_port_is_free_and_outside_the_range_ray_takes_its_own_from() -> None:
+    """Port 0 picks from PICK_PORTS, never the kernel's ephemeral range: Ray's components,
+    started after the pick, take theirs from there (CI saw Ray's runtime-env agent listen on
+    the port picked for the ingress)."""
+    from tandem.serve import PICK_PORTS, free_port
+
+    low, high = (int(n) for n in open("/proc/sys/net/ipv4/ip_local_port_range").read().split())
+    picked = {free_port("127.0.0.1") for _ in range(20)}
+    assert all(p in PICK_PORTS and not low <= p <= high for p in picked) and len(picked) > 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", picked.pop()))  # free indeed
