@@ -119,9 +119,10 @@ class EngineConfig(BaseModel):
         "auto",
         description="the batch-invariant GEMM's reduction layout, which decides the bits "
         "(docs/design.md#numerics-classes): 'auto' is the fastest here -- bf16 pairs on an "
-        "AVX512-BF16 CPU, 16-column FMA panels elsewhere; 'columns' is the portable one, the "
-        "same bits on AVX2 and AVX-512 CPUs, for a cluster that mixes them (slower where pairs "
-        "would run). Workers of different classes never share a request",
+        "AVX512-BF16 CPU, 16-column FMA panels elsewhere; 'columns' is the portable one, one "
+        "reduction order meant to give the same bits on AVX2 and AVX-512 CPUs for a cluster "
+        "that mixes them (checked on AVX2 only so far; slower where pairs would run). Workers "
+        "of different classes never share a request",
     )
     num_threads: int | None = Field(
         None,

@@ -293,11 +293,10 @@ SERVE_PORT = 8000
 REPLY = "tandem-testbed-reply: "  # on_head's marker for its driver's answer
 
 
-def ray_up(cluster_file: Path | None = None) -> None:
-    """``ray up`` the bed's cluster file (default: the running bed's), as a user launches it;
+def ray_up(cluster_file: Path) -> None:
+    """``ray up`` a bed's cluster file (``Testbed.cluster_file``), as a user launches it;
     RuntimeError with the end of Ray's output if it fails (a missing rsync, an sshd that does
     not answer)."""
-    cluster_file = cluster_file or _running_cluster_file()
     out = subprocess.run(
         [str(Path(sys.executable).with_name("ray")), "up", "-y", "--no-config-cache"]
         + [str(cluster_file)],
@@ -311,24 +310,15 @@ def ray_up(cluster_file: Path | None = None) -> None:
         )
 
 
-def ray_down(cluster_file: Path | None = None, check: bool = False) -> None:
-    """``ray down`` the bed's cluster (default: the running bed's); with ``check``,
-    RuntimeError if it fails (else best effort: whatever is left of a cluster whose hosts were
-    killed)."""
-    cluster_file = cluster_file or _running_cluster_file()
+def ray_down(cluster_file: Path, check: bool = False) -> None:
+    """``ray down`` a bed's cluster; with ``check``, RuntimeError if it fails (else best
+    effort: whatever is left of a cluster whose hosts were killed)."""
     ray = str(Path(sys.executable).with_name("ray"))
     out = subprocess.run(
         [ray, "down", "-y", str(cluster_file)], capture_output=True, text=True, timeout=120
     )
     if check and out.returncode != 0:
         raise RuntimeError(f"ray down failed: {(out.stdout + out.stderr)[-3000:]}")
-
-
-def _running_cluster_file() -> Path:
-    bed = load()
-    if bed is None:
-        raise TestbedUnavailable("no test bed is up: `tandem testbed up --nodes N` first")
-    return bed.cluster_file
 
 
 # -- the bed's `ray up` file ---------------------------------------------------------------------
