@@ -308,6 +308,12 @@ class Checks(ConfigSection):
     settle_s: float = Field(
         60.0, gt=0, description="after the load: how long pools may take to return to baseline"
     )
+    max_dispatch_delay_s: float = Field(
+        5.0,
+        gt=0,
+        description="the latest a request may leave this client after its scheduled send: a "
+        "client that stalls longer did not send the load (nor time the faults) the plan says",
+    )
     load_only: bool = Field(
         False,
         description="a plan without faults: also no KV lease may expire, no transfer be "

@@ -43,6 +43,7 @@ class ClusterMismatch(ValueError):
 
 
 POLL_S = 0.5
+PROGRESS_S = 5.0  # between progress lines
 WARMUP_S = 5.0  # the first seconds of load are not a steady window
 
 
@@ -81,6 +82,7 @@ class ChaosRun:
         )
         self.attempts: dict[str, v.Attempt] = {}
         self.inject_errors: list[str] = []
+        self.stalled_s = 0.0  # the longest this client's event loop did not run (progress)
         self.health: list[dict[str, Any]] = []
         roles = [(w.name, w.role) for w in self.workers]
         self.planted = sab.arm(
@@ -192,12 +194,19 @@ class ChaosRun:
         return bool(attempts) and attempts[-1].decode == worker
 
     async def _progress(self, start: float, total: int) -> None:
+        """A line every PROGRESS_S; one that comes late says this client stalled (its event
+        loop did not run: the load it should have sent meanwhile left late)."""
         while True:
-            await asyncio.sleep(5.0)
+            asked = time.time()
+            await asyncio.sleep(PROGRESS_S)
+            late = time.time() - asked - PROGRESS_S
+            if late > 1.0:
+                self.stalled_s = max(self.stalled_s, late)
             states = Counter(o.status for o in self.sender.outcomes.values())
             self.say(
                 f"t={time.time() - start:5.1f} s  sent {len(self.sender.outcomes)}/{total}  "
                 + "  ".join(f"{k} {n}" for k, n in sorted(states.items()))
+                + (f"  (this client stalled {late:.1f} s)" if late > 1.0 else "")
             )
 
     # -- what the cluster says -----------------------------------------------------------------
@@ -539,6 +548,7 @@ class ChaosRun:
                 "; ".join(self.inject_errors) or f"{len(events)} done",
                 "all",
             ),
+            v.on_schedule(self.sender.max_dispatch_delay_s, self.stalled_s, c.max_dispatch_delay_s),
         ]
         return checks + _optional_checks(c, plan, outcomes, faults, events, totals)
 

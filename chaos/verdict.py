@@ -298,6 +298,18 @@ class Check:
     threshold: str
 
 
+def on_schedule(dispatch_delay_s: float, stalled_s: float, bound_s: float) -> Check:
+    """Whether the load left this client when the plan says: a client that stalled sent its
+    requests late, and its faults, timed from the schedule, struck a different load."""
+    return Check(
+        "the load left on schedule",
+        dispatch_delay_s <= bound_s,
+        f"latest send {dispatch_delay_s:.2f} s after its time"
+        + (f"; this client stalled {stalled_s:.1f} s" if stalled_s else ""),
+        f"<= {bound_s:g} s",
+    )
+
+
 @dataclass
 class FaultRow:
     kind: str

@@ -432,6 +432,8 @@ class Coordinator:
         right worker)."""
         try:
             return await self._unless_failed(ref, worker)
+        except AttemptFailed:  # marked FAILED while we waited: dead, not to be excluded by name
+            raise
         except RayActorError as exc:
             raise AttemptFailed(f"{worker} died: {type(exc).__name__}", worker, dead=True) from exc
         except Exception as exc:  # the worker raised (transfer error, no room, injected fault)

@@ -42,8 +42,8 @@ def init_ray(
 
     if ray.is_initialized():
         return
-    if address:
-        ray.init(address=address, namespace=NAMESPACE)
+    if address:  # its workers' logs stay in its session dir (not this terminal's output)
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return
     with _environment(env or {}):
         ray.init(

@@ -13,10 +13,12 @@ from chaos.reference import Expected
 from chaos.verdict import (
     RECOVERY_WINDOW_S,
     Attempt,
+    Check,
     detection_s,
     differs_from_transformers,
     false_alarms,
     mismatch,
+    on_schedule,
     recovery_s,
     stranded,
     timeline,
@@ -226,3 +228,15 @@ def test_a_greedy_request_must_equal_transformers_or_be_cut_with_a_prefix() -> N
     assert differs_from_transformers(got(2, "hung", tokens=["a", " d"]), names) == (
         "the tokens received are not a prefix of transformers'"
     )
+
+
+def test_a_load_sent_late_fails_the_schedule_check_naming_the_stall() -> None:
+    """A client whose loop stalled sent the plan's load late (CI: a 23 s stall displaced every
+    fault; the run blamed a fault 'nothing reached' instead)."""
+    assert on_schedule(0.02, 0.0, 5.0) == Check(
+        "the load left on schedule", True, "latest send 0.02 s after its time", "<= 5 s"
+    )
+    late = on_schedule(23.4, 22.9, 5.0)
+    assert not late.passed
+    assert late.measured == "latest send 23.40 s after its time; this client stalled 22.9 s"
+    assert on_schedule(5.0, 0.0, 5.0).passed and not on_schedule(5.01, 0.0, 5.0).passed

@@ -52,7 +52,7 @@ def test_the_smoke_plan_passes_every_check(smoke: dict[str, Any]) -> None:
     report = smoke["report"]
     assert report["verdict"] is True
     names = [c["name"] for c in report["checks"]]
-    assert names[:11] == [
+    assert names[:12] == [
         "no request hung",
         "outputs equal the reference",
         "every error is typed",
@@ -64,6 +64,7 @@ def test_the_smoke_plan_passes_every_check(smoke: dict[str, Any]) -> None:
         "faults detected in time",
         "KV held for a dead peer",
         "every fault was done",
+        "the load left on schedule",
     ]
     assert all(c["passed"] for c in report["checks"]), report["checks"]
     counts = report["counts"]
