@@ -341,6 +341,7 @@ class FailureCounts(Collector):
         self.detected: Mapping[str, int] = {}
         self.leases_expired = 0
         self.imports_parked = 0
+        self.reservations_waited = 0
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         families = (
@@ -391,6 +392,13 @@ class FailureCounts(Collector):
         )
         parked.add_metric([], self.imports_parked)
         yield parked
+        waited = CounterMetricFamily(
+            "tandem_decode_reservations_waited",
+            "Decode slots reserved before their prefill that waited for room (no KV existed "
+            "yet, none was leased): a wait, not a failure.",
+        )
+        waited.add_metric([], self.reservations_waited)
+        yield waited
 
 
 def log_record(t: RequestTiming) -> str:

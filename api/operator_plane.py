@@ -102,6 +102,7 @@ class OperatorPlane:
             states = await self._worker_states()
             failures.leases_expired = sum(s.report.leases_expired for s in states)
             failures.imports_parked = sum(s.report.imports_parked for s in states)
+            failures.reservations_waited = sum(s.report.reservations_waited for s in states)
             for s in states:
                 if s.healthy:
                     r = s.report

@@ -245,8 +245,10 @@ class Paths:
         model: str,
         params: SamplingParams,
         deadline_s: float | None,
+        salt: str = DIRECT_SALT,
     ) -> None:
         self.url = url
+        self.salt = salt  # the direct path's tenant: its prompts never hit another's KV
         self.session = session
         self.coordinator = coordinator
         self.model = model
@@ -281,7 +283,7 @@ class Paths:
             rid,
             tuple(prompt),
             self.params,
-            cache_salt=DIRECT_SALT,
+            cache_salt=self.salt,
             deadline=None if self.deadline_s is None else sample.sent + self.deadline_s,
             arrival_time=sample.sent,
         )
@@ -332,9 +334,12 @@ def summary(path: str, rate: float, rounds: list[list[Sample]]) -> dict[str, Any
     }
 
 
-async def direct_coordinator(topology: Topology, model_dir: Path) -> tuple[Coordinator, int]:
+async def direct_coordinator(
+    topology: Topology, model_dir: Path, reserve_decode: bool | None = None
+) -> tuple[Coordinator, int]:
     """A coordinator over the deployment's own router and workers (looked up by name), built
-    as ``tandem.launch.start_cluster`` builds the ingress's; and the model's vocabulary size."""
+    as ``tandem.launch.start_cluster`` builds the ingress's (``reserve_decode``: instead of the
+    topology's router.reserve_decode_first); and the model's vocabulary size."""
     router = RouterClient(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))
     workers = {
         s.name: WorkerClient(ray.get_actor(s.name, namespace=NAMESPACE)) for s in topology.workers()
@@ -347,6 +352,7 @@ async def direct_coordinator(topology: Topology, model_dir: Path) -> tuple[Coord
         topology.model.name,
         topology.retry,
         topology.router.admission.unavailable_wait_s,
+        topology.router.reserve_decode_first if reserve_decode is None else reserve_decode,
     )
     return coordinator, infos[0].vocab_size
 

@@ -43,6 +43,7 @@ class ClusterMismatch(ValueError):
 
 
 POLL_S = 0.5
+WORKER_KILLS = ("kill_worker", "churn", "cancel_race")  # a worker actor's process killed
 PROGRESS_S = 5.0  # between progress lines
 WARMUP_S = 5.0  # the first seconds of load are not a steady window
 
@@ -532,7 +533,8 @@ class ChaosRun:
                 f"worst {worst:.2f} s" + (f"; late: {late}" if late else ""),
                 f"kill <= {c.max_detect_kill_s:g} s, "
                 f"hang <= {heartbeat:g} + {c.max_detect_hang_margin_s:g} s; "
-                f"during a router restart <= {max(heartbeat, FIRST_LOOK_MIN_S):g} + "
+                f"during a router restart: a worker kill <= {c.max_detect_kill_s:g} + 1 s, "
+                f"else <= {max(heartbeat, FIRST_LOOK_MIN_S):g} + "
                 f"{c.max_detect_hang_margin_s:g} + 1 s",
             ),
             v.Check(
@@ -555,9 +557,11 @@ class ChaosRun:
 
 def _late_detections(faults: list[v.FaultRow], c: Checks, heartbeat_s: float) -> list[str]:
     """The faults not detected within their limit: a killed process's, or a hang's (the
-    heartbeat timeout and a margin) -- and a kill done while the router was down, timed from
-    the router's return: its first look (router/health.py) and the margin, plus a second, as
-    that look's clock starts at the new router's first call."""
+    heartbeat timeout and a margin) -- and one done while the router was down, timed from the
+    router's return, plus a second, as the new router's first look (router/health.py) starts at
+    its first call: a killed worker's within the kill limit (the look reads Ray's actor table,
+    which shows it RESTARTING), anything else by its silence (the look's length and the
+    margin)."""
     hang_limit = heartbeat_s + c.max_detect_hang_margin_s
     look_limit = max(heartbeat_s, FIRST_LOOK_MIN_S) + c.max_detect_hang_margin_s + 1.0
     late = []
@@ -565,8 +569,9 @@ def _late_detections(faults: list[v.FaultRow], c: Checks, heartbeat_s: float) ->
         limit = {"hang_worker": hang_limit, "partition_host": hang_limit}.get(
             f.kind, c.max_detect_kill_s if f.kind in v.KILLS else None
         )
-        if limit is not None and f.router_down:  # found by its silence to the new router
-            limit = look_limit
+        if limit is not None and f.router_down:
+            restarting = f.kind in WORKER_KILLS  # Ray restarts the actor: its table says so
+            limit = c.max_detect_kill_s + 1.0 if restarting else look_limit
         if limit is not None and (f.detect_s is None or f.detect_s > limit):
             late.append(f"{f.kind} {' '.join(f.workers)}: {f.detect_s}")
     return late
@@ -609,13 +614,15 @@ def _optional_checks(
             )
         )
         if c.load_only:
-            costs = {k: n for k, n in moved.items() if k not in ("requests", "imports_parked")}
+            waits = ("imports_parked", "reservations_waited")
+            costs = {k: n for k, n in moved.items() if k not in ("requests", *waits)}
             checks.append(
                 v.Check(
                     "load alone: no lease expired, transfer aborted, retry or migration",
                     not any(costs.values()),
                     ", ".join(f"{k} {n:.0f}" for k, n in costs.items())
-                    + f" (imports parked: {moved['imports_parked']:.0f})",
+                    + f" (imports parked: {moved['imports_parked']:.0f}, decode reservations "
+                    f"waited: {moved['reservations_waited']:.0f})",
                     "all 0",
                 )
             )
@@ -642,6 +649,7 @@ TOTALS: dict[str, tuple[str, dict[str, str]]] = {
     "retries": ("tandem_retries_total", {}),
     "migrations": ("tandem_migrations_total", {}),
     "imports_parked": ("tandem_kv_imports_parked_total", {}),  # a wait: reported, not judged
+    "reservations_waited": ("tandem_decode_reservations_waited_total", {}),  # a wait too
 }
 Totals = dict[str, float]
 

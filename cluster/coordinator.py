@@ -196,8 +196,12 @@ class Coordinator:
         model_id: str,
         retry: RetryPolicy,
         unavailable_wait_s: float,
+        reserve_decode: bool = True,
     ) -> None:
         self.router = router
+        # Reserve the decode worker's slot and blocks before the prefill starts (the topology's
+        # router.reserve_decode_first).
+        self.reserve_decode = reserve_decode
         # How long an attempt waits for a router that is not there (it restarts) before its
         # request is refused: the topology's router.admission.unavailable_wait_s.
         self.unavailable_wait_s = unavailable_wait_s
@@ -343,6 +347,8 @@ class Coordinator:
                     yield delta
                 over = True
                 return
+            if self.reserve_decode:  # room for the KV before any prefill work (P9)
+                await self._await(decode.reserve(attempt), decision.decode)
             prefill = self.workers[decision.prefill].prefill(attempt)
             source: KVSource = await self._next(prefill, decision.prefill)
             started = decode.start_decode(attempt, source, self.consumer)

@@ -242,6 +242,7 @@ class EngineWorker:
             claimed_blocks=engine.claimed_blocks,
             leases_expired=self.leases_expired(),
             imports_parked=self.engine.imports_parked,
+            reservations_waited=self.engine.reservations_waited,
             admitted=tuple(engine.admitted),
         )
         return load, engine.kv_events

@@ -62,6 +62,7 @@ class PrefillAPI(WorkerAPI, Protocol):
 class DecodeAPI(WorkerAPI, Protocol):
     """A decode worker (decode_worker.worker.DecodeWorker)."""
 
+    async def reserve(self, attempt: EngineRequest) -> None: ...
     async def start_decode(
         self, attempt: EngineRequest, source: KVSource, consumer: str
     ) -> None: ...
@@ -134,6 +135,9 @@ class WorkerClient:
     def renew_lease(self, attempt: EngineRequest) -> ObjectRef[float | None]:
         """Keep the prefill worker's lease on ``attempt``'s KV (its puller waits for room)."""
         return self.handle.renew_lease.remote(attempt.request_id, attempt.key)
+
+    def reserve(self, attempt: EngineRequest) -> ObjectRef[None]:
+        return self.handle.reserve.remote(attempt)
 
     def start_decode(
         self, attempt: EngineRequest, source: KVSource, consumer: str

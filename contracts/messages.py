@@ -66,6 +66,9 @@ class WorkerLoad:
     claimed_blocks: int = 0  # KV blocks reserved or held by its requests (leases included)
     leases_expired: int = 0  # KV leases this process let expire unclaimed (prefill workers)
     imports_parked: int = 0  # KV imports that waited here for room (decode workers): a wait
+    # Decode reservations (made before their prefill) that waited here for room: a wait with
+    # no KV leased anywhere.
+    reservations_waited: int = 0
     # Attempt ids its engine admitted since the last report: the router's ledger stops
     # counting them as promised-but-unseen (they are in queue_depth/num_running/claimed now).
     admitted: tuple[str, ...] = ()

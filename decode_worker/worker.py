@@ -3,15 +3,19 @@
 
 ::
 
+    reserve(attempt):   before the prefill starts (the coordinator waits for it)
+        import_request  -> a batch slot and the blocks held, request WAITING_FOR_KV (it waits
+                           here for room if the router's admission raced the engine's reclaim)
     start_decode(attempt, source, consumer):
-        import_request  -> blocks reserved, request WAITING_FOR_KV (it waits for a slot and
-                           its blocks if the router's admission raced the engine's reclaim)
+        the reservation taken (none: a worker restarted since -- import_request now, which
+                           parks the import until there is room)
         pull            -> each verified layer written into those blocks (overlaps the prefill)
         ack             -> the prefill worker frees its lease
         handoff(token)  <- the first token and sampler state, relayed by the coordinator
         finish_import   -> DECODING; tokens 2.. to the consumer's stream (subscribe)
 
-A pull that fails (corrupt, truncated, peer gone, deadline) fails the import: the request ends
+A reservation is released by ``stop`` (the attempt ended elsewhere: cancel, fault) or, unused,
+after RESERVATION_TTL_S (its coordinator is gone). A pull that fails (corrupt, truncated, peer gone, deadline) fails the import: the request ends
 FAILED through the one reclaim path and the error names the prefill worker, so the coordinator
 retries elsewhere. It can also serve whole requests (``start_generate``): the local prefill of
 short uncached prompts, where disaggregation costs more than it saves.
@@ -31,6 +35,7 @@ import ray
 
 from cluster.worker import EngineWorker
 from contracts.actors import DecodeAPI, WorkerClient
+from contracts.faults import FaultPoint
 from contracts.messages import KVPullFailed, KVSource, TransferRecord
 from contracts.roles import Role, Transport
 from engine.outputs import TokenDelta
@@ -41,7 +46,13 @@ from kv_transfer.format import LayerChunk, TransferKey
 from kv_transfer.transport import make_transport
 
 TRANSFER_RECORDS_KEPT = 10_000
+# An unused reservation (its coordinator died between reserve and start_decode) is released
+# after this; a prefill slower than that still decodes here, its import admitted anew.
+RESERVATION_TTL_S = 120.0
 logger = logging.getLogger(__name__)
+
+
+_Imported = tuple[list[int], AsyncGenerator[TokenDelta, None]]  # blocks, stream
 
 
 class DecodeWorker(EngineWorker):
@@ -55,6 +66,10 @@ class DecodeWorker(EngineWorker):
             self.transport_kind, puller_id=self.name, host=self.host_address()
         )
         self._handoffs: dict[str, asyncio.Future[TokenDelta]] = {}
+        # Attempts reserved before their prefill: being admitted, and admitted (with the
+        # timer that releases an unused one).
+        self._reserving: dict[str, asyncio.Task[Any]] = {}
+        self._reserved: dict[str, tuple[_Imported, asyncio.TimerHandle]] = {}
         # The latest pulls (bounded: a long-running worker keeps only these).
         self.transfers: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS_KEPT)
         self._transfer_seq = 0
@@ -70,6 +85,42 @@ class DecodeWorker(EngineWorker):
         if not future.done():
             future.set_result(first)
 
+    async def reserve(self, attempt: EngineRequest) -> None:
+        """Hold a batch slot and ``attempt``'s KV blocks in the engine before its prefill
+        starts: returns once they are held (waiting for room here, up to the attempt's deadline,
+        so a prefill's KV never waits leased for room). Raises as the engine's admission does
+        (NoRoom at the deadline, RequestRejected)."""
+        aid = attempt.key
+        self.faults.check(FaultPoint.ACCEPTED, attempt.attempt, 1)  # reached, none computed
+        # stop() cancels this call: waiting, or admitted but not yet resumed here, the
+        # import's own cancellation aborts the request in the engine.
+        task = asyncio.current_task()
+        assert task is not None  # an actor call runs as a task
+        self._reserving[aid] = task
+        try:
+            imported = await self.engine.import_request(attempt, reservation=True)
+        finally:
+            self._reserving.pop(aid, None)
+        timer = asyncio.get_running_loop().call_later(
+            RESERVATION_TTL_S, lambda: asyncio.ensure_future(self._release(aid))
+        )
+        self._reserved[aid] = (imported, timer)
+        self._touch()
+
+    async def stop(self, attempt_id: str) -> None:
+        """Cancel the attempt; a reservation it holds or waits for goes too."""
+        if (task := self._reserving.pop(attempt_id, None)) is not None:
+            task.cancel()
+        await self._release(attempt_id)
+        await super().stop(attempt_id)
+
+    async def _release(self, attempt_id: str) -> None:
+        """Give an unused reservation's slot and blocks back (the request is cancelled)."""
+        held = self._reserved.pop(attempt_id, None)
+        if held is not None:
+            held[1].cancel()
+            await self.engine.abort(attempt_id)
+
     async def start_decode(self, attempt: EngineRequest, source: KVSource, consumer: str) -> None:
         """Continue ``attempt`` here with its KV from ``source``; its tokens go to
         ``consumer``'s stream (:meth:`subscribe`)."""
@@ -84,7 +135,10 @@ class DecodeWorker(EngineWorker):
         self._touch()
         lease = asyncio.get_running_loop().create_task(self._keep_lease(source, attempt))
         try:
-            blocks, stream = await self.engine.import_request(attempt)
+            held = self._reserved.pop(aid, None)
+            if held is not None:
+                held[1].cancel()
+            blocks, stream = held[0] if held else await self.engine.import_request(attempt)
             try:
                 await self._pull(source, TransferKey.of(attempt), blocks, attempt.deadline)
                 lease.cancel()

@@ -65,6 +65,7 @@ class _Add:
     wait_for_room: bool = False
     deadline: float | None = None
     parked: bool = False  # it has waited for room once (counted once)
+    reservation: bool = False  # a decode slot held before the prefill (its wait: no KV leased)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}
         self._parked: list[_Add] = []  # imports waiting for room (NoRoom), in arrival order
         self.imports_parked = 0  # imports that had to wait for room, ever (read anywhere)
+        self.reservations_waited = 0  # reservations that had to wait for room, ever
         self._admitted: list[str] = []  # ids admitted since the last load() read
         self._stalled = False  # the last tick changed nothing (every live request paused)
         # Published by the engine thread after every tick, read by anyone.
@@ -168,13 +170,15 @@ class AsyncLLMEngine:
             yield out
 
     async def import_request(
-        self, request: EngineRequest
+        self, request: EngineRequest, reservation: bool = False
     ) -> tuple[list[int], AsyncGenerator[TokenDelta, None]]:
         """Disaggregated decode side (:meth:`LLMEngine.add_imported`): returns the block ids
         to write the imported KV into and the request's stream, which starts once
         :meth:`finish_import` runs. Without room right now (NoRoom) it waits, admitted in
         arrival order after the ticks that free a slot and its blocks, until its deadline
-        (then NoRoom is raised). Raises RequestRejected (a hard limit) / ValueError here."""
+        (then NoRoom is raised). Raises RequestRejected (a hard limit) / ValueError here.
+        ``reservation``: made before the KV exists (its prefill not started): a wait for room
+        counts in ``reservations_waited``, not ``imports_parked``."""
         rid = request.key
         loop = asyncio.get_running_loop()
         admitted: asyncio.Future[list[int]] = loop.create_future()
@@ -184,7 +188,8 @@ class AsyncLLMEngine:
             return engine.add_imported(request)
 
         deadline = request.deadline
-        self._submit(_Add(stream, admit, admitted, wait_for_room=True, deadline=deadline))
+        add = _Add(stream, admit, admitted, True, deadline, reservation=reservation)
+        self._submit(add)
         try:
             blocks = await admitted
         except BaseException:
@@ -424,7 +429,10 @@ class AsyncLLMEngine:
             result = command.admit(self.engine)
         except NoRoom as exc:
             if command.wait_for_room:
-                self.imports_parked += not command.parked
+                if command.reservation:
+                    self.reservations_waited += not command.parked
+                else:
+                    self.imports_parked += not command.parked
                 command.parked = True
                 self._parked.append(command)
                 return False

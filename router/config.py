@@ -73,6 +73,13 @@ class RouterConfig(ConfigSection):
         description="uncached prompts this short are prefilled on the decode worker (shipping "
         "their KV costs more than computing it); 0 = never",
     )
+    reserve_decode_first: bool = Field(
+        True,
+        description="the coordinator reserves the decode worker's batch slot and KV blocks "
+        "(in its engine) before the prefill starts, so a prefill's KV never waits for room; "
+        "false: the prefill starts first and the decode side parks the import until it has "
+        "room (kept to measure what the reservation costs: bench/serve_bench.py)",
+    )
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig,
         description="the cluster's admission queue (router/admission.py)",

@@ -36,6 +36,9 @@ PROBE_MIN_WAIT_S = 0.5
 # processes where the restarted actor is only then -- 2.75 s after it answered, here (two busy
 # cores); a 0.8 s and a 2 s look blamed live workers.
 FIRST_LOOK_MIN_S = 5.0
+# Meanwhile it asks Ray's actor table this often which of them Ray is restarting: a worker
+# whose process died while the router was down is FAILED within this of the router's start.
+FIRST_LOOK_POLL_S = 0.25
 
 
 class Judgement(Enum):
@@ -104,6 +107,7 @@ class Probes:
         # lookup is a GCS call that holds its caller while the actor restarts).
         self.handles: dict[str, Any] = {}
         self.ask: Callable[[str], Awaitable[tuple[str, bool]]] = self._ask_over_ray  # (tests)
+        self.restarting: Callable[[list[str]], Awaitable[set[str]]] = _restarting  # (tests)
 
     async def probe(self, name: str, known: str | None) -> None:
         """Ask a silent ``name`` (incarnation ``known``) whether it is alive and its engine
@@ -130,10 +134,23 @@ class Probes:
         its report is answered (it resyncs) and it connects its liveness connection again --
         so one that has done neither within a heartbeat timeout (at least FIRST_LOOK_MIN_S) of
         the router's start is dead or being restarted by Ray: FAILED then, not left unreported
-        until it returns."""
+        until it returns. One Ray is restarting (Ray's actor table says so: its process died)
+        is FAILED as soon as the table is read, every FIRST_LOOK_POLL_S meanwhile."""
         wait_s = max(self.timeout_s, FIRST_LOOK_MIN_S)
-        await asyncio.sleep(wait_s)
-        for name in names:
+        until = time.monotonic() + wait_s
+        failed: set[str] = set()
+        while (left := until - time.monotonic()) > 0:
+            try:
+                dead = await self.restarting(names) - failed
+            except Exception:  # the table is unreadable (a GCS hiccup): the deadline decides
+                dead = set()
+            for name in sorted(dead):
+                if name not in self.silence.last_seen:
+                    why = "Ray is restarting its actor (its process died while the router was down)"
+                    self.fail(name, why, DetectedBy.RESTART)
+                    failed.add(name)
+            await asyncio.sleep(min(FIRST_LOOK_POLL_S, left))
+        for name in sorted(set(names) - failed):
             connected = liveness is not None and name in liveness.connected
             if name not in self.silence.last_seen and not connected:
                 why = f"neither reported nor connected to the restarted router in {wait_s:g} s"
@@ -144,3 +161,16 @@ class Probes:
         if handle is None:  # no Ray (a router under test), or it never resynced here
             await asyncio.Event().wait()
         return await WorkerClient(handle).probe()
+
+
+async def _restarting(names: list[str]) -> set[str]:
+    """Which of ``names`` Ray's actor table shows RESTARTING (their process died; Ray is
+    starting another). A GCS read, off the event loop."""
+    if not ray.is_initialized():
+        return set()
+
+    def read() -> set[str]:
+        table = ray._private.state.actors(actor_state_name="RESTARTING")
+        return {a["Name"] for a in table.values()} & set(names)
+
+    return await asyncio.to_thread(read)

@@ -524,12 +524,14 @@ def test_failure_counters_are_exported_with_every_label_from_the_start() -> None
         assert value(got, "tandem_worker_failures_detected_total", how=how) == 0
     assert value(got, "tandem_kv_lease_expired_total") == 0
     assert value(got, "tandem_kv_imports_parked_total") == 0
+    assert value(got, "tandem_decode_reservations_waited_total") == 0
     m.failures.retries = {"kv_transfer": 3}
     m.failures.migrations = {"worker_died": 2}
     m.failures.transport = {"integrity": 3}
     m.failures.detected = {"heartbeat": 1, "actor_death": 4}
     m.failures.leases_expired = 5
     m.failures.imports_parked = 6
+    m.failures.reservations_waited = 7
     got = samples(m)
     assert value(got, "tandem_retries_total", reason="kv_transfer") == 3
     assert value(got, "tandem_retries_total", reason="worker_died") == 0
@@ -538,3 +540,4 @@ def test_failure_counters_are_exported_with_every_label_from_the_start() -> None
     assert value(got, "tandem_worker_failures_detected_total", how="actor_death") == 4
     assert value(got, "tandem_kv_lease_expired_total") == 5
     assert value(got, "tandem_kv_imports_parked_total") == 6
+    assert value(got, "tandem_decode_reservations_waited_total") == 7

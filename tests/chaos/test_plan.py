@@ -194,12 +194,14 @@ def test_a_load_only_plan_fails_on_any_lease_expired_transfer_aborted_retry_or_m
     assert checks()[1] == (
         load,
         True,
-        "leases_expired 0, transfers_aborted 0, retries 0, migrations 0 (imports parked: 0)",
+        "leases_expired 0, transfers_aborted 0, retries 0, migrations 0 (imports parked: 0, "
+        "decode reservations waited: 0)",
     )
     for name in ("leases_expired", "transfers_aborted", "retries", "migrations"):
         assert checks(**{name: 1.0})[1][:2] == (load, False)
-    assert checks(imports_parked=3.0)[1][1:] == (  # a wait: reported, not a failure
+    assert checks(imports_parked=3.0, reservations_waited=5.0)[1][1:] == (  # waits: reported
         True,
-        "leases_expired 0, transfers_aborted 0, retries 0, migrations 0 (imports parked: 3)",
+        "leases_expired 0, transfers_aborted 0, retries 0, migrations 0 (imports parked: 3, "
+        "decode reservations waited: 5)",
     )
     assert checks(requests=1.0)[0][1] is False  # a client record too many

@@ -126,3 +126,77 @@ def test_a_pull_from_a_dead_address_fails_naming_the_source_worker(decode: Decod
         assert (record.request_id, record.status) == (ATTEMPT.key, RequestStatus.FAILED)
 
     asyncio.run(asyncio.wait_for(body(), 60))
+
+
+async def held(decode: DecodeWorker) -> tuple[int, int]:
+    """(requests in the decode engine, KV blocks they hold), read on the engine thread."""
+    return await decode.engine.call(lambda e: (e.scheduler.num_running, e.kv.stats().in_use_blocks))
+
+
+def test_a_reservation_holds_slot_and_blocks_before_the_prefill_and_the_decode_uses_them(
+    prefill: PrefillWorker, decode: DecodeWorker, test_llama: Path
+) -> None:
+    """The coordinator's order (router.reserve_decode_first): reserve on the decode worker,
+    then prefill. The slot and the prompt's blocks are held before any prefill work; the
+    decode takes that reservation (one engine request, one terminal record) and continues
+    exactly."""
+    [[out]] = LLMEngine.from_checkpoint(test_llama, CONFIG).generate([list(PROMPT)], GREEDY)
+
+    async def body() -> None:
+        await prefill.ready()
+        await decode.ready()
+        stream = decode.subscribe("c")
+        await decode.reserve(ATTEMPT)
+        assert await held(decode) == (1, 3)  # 37 prompt tokens: 3 blocks of 16
+        handing = prefill.prefill(ATTEMPT)
+        source = await anext(handing)
+        await decode.start_decode(ATTEMPT, source, "c")
+        first = await anext(handing)
+        await decode.handoff(ATTEMPT.key, replace(first, prompt_logprobs=None))
+        rest = [d for d in await items_of(stream, ATTEMPT.key) if isinstance(d, TokenDelta)]
+        assert first.token_ids + [t for d in rest for t in d.token_ids] == out.token_ids
+        await stream.aclose()
+        await decode.check_idle()
+        await eventually_idle(prefill.check_idle)
+        [record] = await decode.records()
+        assert (record.request_id, record.status) == (ATTEMPT.key, RequestStatus.FINISHED)
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_a_stopped_reservation_gives_back_what_it_held_or_waited_for(
+    test_llama: Path, torch_threads: None, loopback: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One batch slot: the first reservation holds it, the second waits for room. Stopping the
+    waiting one ends its wait (nothing held); stopping the held one frees slot and blocks; both
+    end CANCELLED, one record each; a reservation nobody uses is released after its TTL."""
+    one = CONFIG.model_copy(update={"max_num_seqs": 1})
+    decode = DecodeWorker("decode-0", "a", str(test_llama), "m", one)
+    second = replace(ATTEMPT, attempt=2)
+
+    async def body() -> None:
+        await decode.ready()
+        await decode.reserve(ATTEMPT)
+        waiting = asyncio.ensure_future(decode.reserve(second))
+        await asyncio.sleep(0.5)
+        assert not waiting.done() and await held(decode) == (1, 3)
+        await decode.stop(second.key)
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert await held(decode) == (1, 3)
+        await decode.stop(ATTEMPT.key)
+        await decode.check_idle()
+        records = {r.request_id: r.status for r in await decode.records()}
+        assert records == {ATTEMPT.key: RequestStatus.CANCELLED}  # the waiting one: never in
+        monkeypatch.setattr("decode_worker.worker.RESERVATION_TTL_S", 0.3)
+        third = replace(ATTEMPT, attempt=3)
+        await decode.reserve(third)
+        assert await held(decode) == (1, 3)
+        await asyncio.sleep(0.6)  # past the TTL: its coordinator never came back
+        await decode.check_idle()
+
+    try:
+        asyncio.run(asyncio.wait_for(body(), 60))
+    finally:
+        decode.transport.close()
+        decode.engine.shutdown()

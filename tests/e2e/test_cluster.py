@@ -182,6 +182,33 @@ def test_killed_worker_gives_the_fault_free_stream(
     run(body())
 
 
+def test_the_decode_side_is_reserved_before_any_prefill_work(
+    cluster: Cluster, colocated: LLMEngine
+) -> None:
+    """The coordinator reserves the decode worker's batch slot and KV blocks before the prefill
+    starts (router.reserve_decode_first): a decode worker that fails the attempt as it reserves
+    costs no prefill work -- no prefill worker has a record of that attempt -- and the request
+    completes, exactly, on its retry elsewhere."""
+    tokens = prompt(40, 11)
+
+    async def body() -> None:
+        await arm(cluster, "decode", Fault(FaultPoint.ACCEPTED, FaultAction.RAISE, 1, attempt=1))
+        assert await collect(cluster, tokens, GREEDY) == expected(colocated, tokens, GREEDY)
+        [record] = cluster.coordinator.records[-1:]
+        assert (record.attempts, record.migrations) == (2, 0)
+        prefilled = [
+            r.request_id
+            for name, w in cluster.workers.items()
+            if name.startswith("prefill")
+            for r in await w.records()
+            if r.request_id.startswith(f"{record.request_id}@")
+        ]
+        assert prefilled == [f"{record.request_id}@2"]
+        await assert_clean(cluster)
+
+    run(body())
+
+
 @pytest.mark.parametrize("action", [FaultAction.CORRUPT, FaultAction.TRUNCATE, FaultAction.DROP])
 def test_transport_faults_are_detected_and_retried(
     cluster: Cluster, colocated: LLMEngine, action: FaultAction

@@ -332,7 +332,8 @@ def test_an_import_without_room_waits_in_arrival_order_until_room_frees(test_lla
     """AsyncLLMEngine.import_request parks an import that finds no slot (NoRoom) and admits it,
     in arrival order, after the tick that frees one; a parked import that is cancelled or whose
     deadline passes leaves without a trace. load() names the admitted ids once each and the
-    blocks their requests claim; each parked import is counted once (imports_parked)."""
+    blocks their requests claim; each parked import is counted once (imports_parked; a
+    reservation's wait in reservations_waited)."""
     config = CONFIG.model_copy(update={"max_num_seqs": 1})
 
     async def body() -> None:
@@ -347,8 +348,10 @@ def test_an_import_without_room_waits_in_arrival_order_until_room_frees(test_lla
             b = asyncio.ensure_future(
                 d.import_request(d.make_request(prompt(5, 1), GREEDY, request_id="b"))
             )
-            c = asyncio.ensure_future(
-                d.import_request(d.make_request(prompt(5, 2), GREEDY, request_id="c"))
+            c = asyncio.ensure_future(  # a decode reservation (before its prefill)
+                d.import_request(
+                    d.make_request(prompt(5, 2), GREEDY, request_id="c"), reservation=True
+                )
             )
             late = asyncio.ensure_future(
                 d.import_request(
@@ -362,7 +365,8 @@ def test_an_import_without_room_waits_in_arrival_order_until_room_frees(test_lla
                 await late
             await asyncio.sleep(0.2)
             assert not (b.done() or c.done() or gone.done())  # parked: no slot
-            assert d.imports_parked == 4  # late, b, c, gone: each counted once
+            # late, b, gone: each counted once; c's wait is a reservation's
+            assert (d.imports_parked, d.reservations_waited) == (3, 1)
             gone.cancel()
             await asyncio.sleep(0.1)
             assert (await d.kv.load()).admitted == []  # nothing else admitted meanwhile
@@ -379,7 +383,8 @@ def test_an_import_without_room_waits_in_arrival_order_until_room_frees(test_lla
             async for _ in c_stream:
                 pass
             assert (await d.kv.load()).admitted == ["b", "c"]
-            assert d.imports_parked == 4  # offered again after every tick, counted once
+            # offered again after every tick, counted once
+            assert (d.imports_parked, d.reservations_waited) == (3, 1)
             records = [r.request_id for r in d.records()]
             assert sorted(records) == ["a", "b", "c"]  # none for "late" or "gone"
             assert len(blocks) == 2 and len(b_blocks) == len(c_blocks) == 1

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
 from test_admission import WORKERS, info, load
 
 from contracts.pause import PauseClock
 from contracts.roles import Role
 from router.actor import RouterActor
 from router.config import RouterConfig
-from router.health import Judgement, SilenceWatch
+from router.health import FIRST_LOOK_POLL_S, Judgement, SilenceWatch
 
 
 class StillClock:
@@ -143,3 +144,39 @@ def test_a_silent_worker_is_failed_by_an_unanswered_dead_or_unresponsive_probe()
             assert await actor.failures_detected() == {how: 1}
 
         asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_a_restarted_routers_first_look_fails_a_worker_ray_is_restarting_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A router restarted by Ray learns of a worker that died while it was down from Ray's
+    actor table (RESTARTING) within FIRST_LOOK_POLL_S, not at the end of its first look; a
+    worker that reports is never failed; one neither reporting nor restarting is failed at the
+    end of the look, as before."""
+    monkeypatch.setattr("router.health.FIRST_LOOK_MIN_S", 1.0)
+
+    async def body(restarting: set[str]) -> tuple[float, str]:
+        actor = RouterActor(WORKERS, RouterConfig(), heartbeat_timeout_s=0.2, namespace="test")
+        start = time.monotonic()
+
+        async def table(names: list[str]) -> set[str]:
+            assert sorted(names) == ["decode-0", "prefill-0"]
+            return restarting if time.monotonic() - start > 0.3 else set()
+
+        actor.probes.restarting = table
+        look = asyncio.ensure_future(actor.probes.first_look(["prefill-0", "decode-0"], None))
+        seen = None  # when decode-0's FAILED mark was first there
+        while not look.done():  # prefill-0 reports throughout
+            await actor.report(info("prefill-0", Role.PREFILL), load("prefill-0"), [], True)
+            if seen is None and any(s.failed for s in await actor.worker_states()):
+                seen = time.monotonic() - start
+            await asyncio.sleep(0.02)
+        await look
+        failed = [e for e in await actor.health_events() if e["event"] == "failed"]
+        assert [e["worker"] for e in failed] == ["decode-0"]
+        return seen if seen is not None else time.monotonic() - start, failed[0]["why"]
+
+    after, why = asyncio.run(asyncio.wait_for(body({"decode-0"}), 10))
+    assert 0.3 < after < 0.3 + 2 * FIRST_LOOK_POLL_S + 0.2 and why.startswith("Ray is restarting")
+    after, why = asyncio.run(asyncio.wait_for(body(set()), 10))
+    assert after >= 1.0 and why.startswith("neither reported nor connected")
