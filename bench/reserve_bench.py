@@ -25,13 +25,19 @@ import argparse
 import asyncio
 import json
 import math
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
 
-from bench.serve_bench import (  # noqa: I001
+from tandem.bootstrap import loopback_env  # noqa: I001
+
+loopback_env()  # before ray is imported
+
+import aiohttp  # noqa: E402
+import ray  # noqa: E402
+
+from api import protocol, translate  # noqa: E402
+from bench.serve_bench import (  # noqa: E402
     RESULTS,
     WARMUP_REQUESTS,
     Paths,
@@ -39,25 +45,14 @@ from bench.serve_bench import (  # noqa: I001
     Workload,
     direct_coordinator,
     log,
-    short_tmpdir,
+    on_local_deployment,
     summary,
     workload,
-    write_topology,
 )
-from tandem.bootstrap import loopback_env  # noqa: I001
-
-loopback_env()  # before ray is imported
-
-import aiohttp  # noqa: E402
-import ray  # noqa: E402
-from ray import serve  # noqa: E402
-
-from api import protocol, translate  # noqa: E402
 from contracts.actors import RouterClient  # noqa: E402
 from contracts.roles import NAMESPACE, ROUTER_NAME  # noqa: E402
 from tandem.demo import ensure_demo_model  # noqa: E402
-from tandem.serve import deploy, free_port, wait_until_ready  # noqa: E402
-from tandem.topology import Topology, load_topology  # noqa: E402
+from tandem.topology import Topology  # noqa: E402
 
 PATHS = ("reserved", "unreserved")
 TTFT_TARGET = 0.03  # the issue: the reservation adds at most 3% to TTFT p50 at rate 2
@@ -189,20 +184,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     model_dir = ensure_demo_model(args.size)
-    tmp = short_tmpdir()
-    os.environ["RAY_TMPDIR"] = str(tmp)
-    try:
-        topology_path = write_topology(model_dir, tmp)
-        topology = load_topology(topology_path)
-        log(f"deploying {topology_path} on a local Ray")
-        url = deploy(topology_path, None, "127.0.0.1", free_port("127.0.0.1"), None)
-        wait_until_ready(url)
-        rows = asyncio.run(measure(args, topology, model_dir))
-    finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
+    rows = on_local_deployment(model_dir, lambda _, topology: measure(args, topology, model_dir))
     added = report(rows)
     RESULTS.mkdir(exist_ok=True)
     cpu = next(

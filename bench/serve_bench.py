@@ -43,6 +43,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -496,6 +497,28 @@ def write_topology(model_dir: Path, into: Path) -> Path:
     return out
 
 
+def on_local_deployment(
+    model_dir: Path,
+    measure: Callable[[str, Topology], Coroutine[Any, Any, list[dict[str, Any]]]],
+) -> list[dict[str, Any]]:
+    """``measure(url, topology)`` against ``local.yaml`` with ``model_dir``, deployed on a
+    local Ray of this process's own (torn down after)."""
+    tmp = short_tmpdir()
+    os.environ["RAY_TMPDIR"] = str(tmp)  # this process's Ray, apart from anyone else's
+    try:
+        topology_path = write_topology(model_dir, tmp)
+        topology = load_topology(topology_path)
+        log(f"deploying {topology_path} on a local Ray")
+        url = deploy(topology_path, None, "127.0.0.1", free_port("127.0.0.1"), None)
+        wait_until_ready(url)
+        return asyncio.run(measure(url, topology))
+    finally:
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="tiny")
@@ -516,20 +539,9 @@ def main() -> None:
     model_dir = ensure_demo_model(args.size)
     cold = None if args.no_cold_start else cold_start(model_dir)
 
-    tmp = short_tmpdir()
-    os.environ["RAY_TMPDIR"] = str(tmp)  # this process's Ray, apart from anyone else's
-    try:
-        topology_path = write_topology(model_dir, tmp)
-        topology = load_topology(topology_path)
-        log(f"steady state: deploying {topology_path} on a local Ray")
-        url = deploy(topology_path, None, "127.0.0.1", free_port("127.0.0.1"), None)
-        wait_until_ready(url)
-        rows = asyncio.run(steady_state(args, url, topology, model_dir))
-    finally:
-        if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
+    rows = on_local_deployment(
+        model_dir, lambda url, topology: steady_state(args, url, topology, model_dir)
+    )
 
     over = overheads(rows)
     print_report(cold, rows, over)
