@@ -481,3 +481,14 @@ def test_by_default_a_tenant_has_no_limit_but_is_counted() -> None:
         ticket.release()
     assert gate.in_flight("alice") == 0
     assert GateConfig().default_quota is None
+
+
+def test_unknown_keys_leave_no_state_behind() -> None:
+    """The gate keeps state only for tenants its keys name: a flood of made-up bearer keys is
+    refused (401) without growing its memory, whatever keys a client sends."""
+    gate, _ = gate_for(quota(), KEYS)
+    gate.admit(bearer("k-alpha"), 10).release()
+    before = dict(gate._tenants)
+    for i in range(5000):
+        assert rejection(gate, bearer(f"made-up-{i}")).code is RejectCode.INVALID_API_KEY
+    assert gate._tenants == before and list(before) == ["alpha"]

@@ -1362,3 +1362,17 @@ def test_a_reclaimed_request_id_leaves_no_state_behind() -> None:
     assert h.reqs["A"].status is S.FINISHED and h.outputs_of("A") == expected_tokens(4, 2)
     assert first.status is S.CANCELLED
     h.kv.check_idle()
+
+
+def test_a_request_waiting_for_its_kv_is_never_a_preemption_victim() -> None:
+    """A and B grow in an 8-block pool while D, admitted last (the usual victim), waits for its
+    imported KV: a transfer is writing into D's blocks, so B is preempted, never D."""
+    h = Harness(8, prefix_caching=False, admission_output_tokens=0)
+    grow_two(h)
+    h.clock.t = 2.0
+    d = imported(h, "D", 6, 106)
+    assert h.sched.add_imported(d, 6) == AdmissionResult(S.WAITING_FOR_KV)
+    blocks = h.kv.block_table("D")
+    preempted = [rid for _ in range(8) for rid in h.step().preempted_ids]
+    assert preempted == ["B"]
+    assert d.status is S.WAITING_FOR_KV and h.kv.block_table("D") == blocks and len(blocks) == 2
