@@ -13,6 +13,7 @@ import itertools
 import time
 from collections import Counter
 from collections.abc import Coroutine
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -178,6 +179,30 @@ def test_killed_worker_gives_the_fault_free_stream(
         [record] = cluster.coordinator.records[-1:]
         assert record.attempts == 2 and record.migrations == migrations
         await assert_clean(cluster)
+
+    run(body())
+
+
+def test_a_first_token_that_ends_the_request_leaves_both_workers_clean(
+    cluster: Cluster, colocated: LLMEngine
+) -> None:
+    """max_tokens = 1, disaggregated: the prefill's token is the whole answer (docs §9.2 step
+    5), so the decode side, reserved and pulling, is stopped; its reservation, the pull and the
+    prefill's lease all end, and each worker has one record of the attempt."""
+    tokens = prompt(40, 13)
+    one = replace(GREEDY, max_tokens=1)
+
+    async def body() -> None:
+        assert await collect(cluster, tokens, one) == expected(colocated, tokens, one)
+        [record] = cluster.coordinator.records[-1:]
+        assert (record.attempts, record.num_output_tokens) == (1, 1)
+        await assert_clean(cluster)  # every pool and lease at baseline
+        attempt = f"{record.request_id}@1"
+        kept = {
+            name: [r.status for r in await w.records() if r.request_id == attempt]
+            for name, w in cluster.workers.items()
+        }
+        assert sorted(len(v) for v in kept.values() if v) == [1, 1], kept  # prefill + decode
 
     run(body())
 
