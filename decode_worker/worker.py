@@ -15,9 +15,9 @@
         finish_import   -> DECODING; tokens 2.. to the consumer's stream (subscribe)
 
 A reservation is released by ``stop`` (the attempt ended elsewhere: cancel, fault) or, unused,
-after RESERVATION_TTL_S (its coordinator is gone). A pull that fails (corrupt, truncated, peer gone, deadline) fails the import: the request ends
-FAILED through the one reclaim path and the error names the prefill worker, so the coordinator
-retries elsewhere. It can also serve whole requests (``start_generate``): the local prefill of
+after RESERVATION_TTL_S (its coordinator is gone). A pull that fails (corrupt, truncated, peer
+gone, deadline) fails the import: the request ends FAILED through the one reclaim path and the
+error names the prefill worker, so the coordinator retries elsewhere. It can also serve whole requests (``start_generate``): the local prefill of
 short uncached prompts, where disaggregation costs more than it saves.
 """
 

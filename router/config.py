@@ -78,7 +78,7 @@ class RouterConfig(ConfigSection):
         description="the coordinator reserves the decode worker's batch slot and KV blocks "
         "(in its engine) before the prefill starts, so a prefill's KV never waits for room; "
         "false: the prefill starts first and the decode side parks the import until it has "
-        "room (kept to measure what the reservation costs: bench/serve_bench.py)",
+        "room (kept to measure what the reservation costs: bench/reserve_bench.py)",
     )
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig,
