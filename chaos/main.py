@@ -65,6 +65,13 @@ def run_command(
     out = out or Path("chaos-reports") / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if testbed_nodes is not None and kinds:
         raise ValueError("--sabotage runs on a local cluster or one at --address, not --testbed")
+    if kinds and plan.faults:
+        # A fault beside a sabotage would restart the worker it is armed on, or touch the request
+        # it spoils, so a miss could not be told from the fault's doing (chaos.sabotage.arm).
+        raise ValueError(
+            f"--sabotage needs a plan without faults (plan {plan.name!r} has "
+            f"{len(plan.faults)}): use the self-test plan"
+        )
     if testbed_nodes is not None:
         return run_on_bed(plan_file, testbed_nodes, topology_file, out)
     if plan.testbed and not on_bed:

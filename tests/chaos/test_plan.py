@@ -158,6 +158,19 @@ def test_a_bed_plan_without_a_bed_is_a_clear_cli_error(capsys: pytest.CaptureFix
     assert "plan 'partition' needs a test bed: add --testbed N" in capsys.readouterr().err
 
 
+def test_sabotage_on_a_plan_with_faults_is_a_clear_cli_error(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A plan fault would restart the worker a sabotage is armed on: refused before any Ray
+    call, naming the plan to use; a bad kind is named too."""
+    assert main(["chaos", "run", "decode-loss", "--sabotage", "token"]) == 2
+    err = capsys.readouterr().err
+    assert "--sabotage needs a plan without faults (plan 'decode-loss' has" in err
+    assert "use the self-test plan" in err
+    assert main(["chaos", "run", "self-test", "--sabotage", "tokens"]) == 2
+    assert "--sabotage 'tokens': not a kind" in capsys.readouterr().err
+
+
 def test_the_fp32_plan_runs_on_its_float32_topology_and_refuses_another() -> None:
     """Its greedy outputs are checked against transformers, exact only in float32: it names
     its topology (the CLI's default for it), and a run on a bf16 one refuses before any Ray

@@ -14,6 +14,7 @@ from chaos.verdict import (
     RECOVERY_WINDOW_S,
     Attempt,
     Check,
+    FaultRow,
     detection_s,
     differs_from_transformers,
     false_alarms,
@@ -240,3 +241,33 @@ def test_a_load_sent_late_fails_the_schedule_check_naming_the_stall() -> None:
     assert not late.passed
     assert late.measured == "latest send 23.40 s after its time; this client stalled 22.9 s"
     assert on_schedule(5.0, 0.0, 5.0).passed and not on_schedule(5.01, 0.0, 5.0).passed
+
+
+def test_a_fault_done_while_the_router_was_down_is_timed_against_its_own_limit() -> None:
+    """Timed from the router's return: a killed worker's (Ray's actor table shows it
+    RESTARTING to the new router's first look) within the kill limit plus a second; a hung one
+    by its silence, within the look's length plus the margin; the same kill with the router up
+    keeps the plain kill limit."""
+    from chaos.plan import Checks
+    from chaos.run import _late_detections
+    from router.health import FIRST_LOOK_MIN_S
+
+    c = Checks()  # kill limit 1 s, hang margin 1 s
+    look = max(2.0, FIRST_LOOK_MIN_S) + c.max_detect_hang_margin_s + 1.0
+
+    def row(kind: str, detect_s: float | None, router_down: bool) -> FaultRow:
+        return FaultRow(
+            kind, 5.0, ["decode-0"], "", detect_s, None, 0.0, math.nan, 0, 0, None, router_down
+        )
+
+    def late(*rows: FaultRow) -> list[str]:
+        return _late_detections(list(rows), c, heartbeat_s=2.0)
+
+    assert late(row("kill_worker", 1.9, True), row("churn", 2.0, True)) == []
+    assert late(row("kill_worker", 2.1, True)) == ["kill_worker decode-0: 2.1"]
+    assert late(row("kill_worker", 1.1, False)) == ["kill_worker decode-0: 1.1"]
+    assert late(row("hang_worker", look, True)) == []
+    assert late(row("hang_worker", look + 0.1, True)) == [f"hang_worker decode-0: {look + 0.1}"]
+    assert late(row("hang_worker", 3.1, False)) == ["hang_worker decode-0: 3.1"]
+    assert late(row("kill_worker", None, True)) == ["kill_worker decode-0: None"]
+    assert late(row("kill_router", None, False)) == []
