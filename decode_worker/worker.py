@@ -15,7 +15,9 @@
         finish_import   -> DECODING; tokens 2.. to the consumer's stream (subscribe)
 
 A reservation is released by ``stop`` (the attempt ended elsewhere: cancel, fault) or, unused,
-after RESERVATION_TTL_S (its coordinator is gone). A pull that fails (corrupt, truncated, peer
+after RESERVATION_TTL_S (its coordinator is gone; one still alive, its prefill slower than that,
+has its import admitted anew once the release is done: the attempt then has two engine records,
+CANCELLED and its own). A pull that fails (corrupt, truncated, peer
 gone, deadline) fails the import: the request ends FAILED through the one reclaim path and the
 error names the prefill worker, so the coordinator retries elsewhere. It can also serve whole requests (``start_generate``): the local prefill of
 short uncached prompts, where disaggregation costs more than it saves.
@@ -70,6 +72,9 @@ class DecodeWorker(EngineWorker):
         # timer that releases an unused one).
         self._reserving: dict[str, asyncio.Task[Any]] = {}
         self._reserved: dict[str, tuple[_Imported, asyncio.TimerHandle]] = {}
+        # Reservations being released (their engine request not yet reclaimed): an import of
+        # the same attempt waits for it, or its id would clash with the ending one.
+        self._releasing: dict[str, asyncio.Future[None]] = {}
         # The latest pulls (bounded: a long-running worker keeps only these).
         self.transfers: deque[TransferRecord] = deque(maxlen=TRANSFER_RECORDS_KEPT)
         self._transfer_seq = 0
@@ -117,9 +122,19 @@ class DecodeWorker(EngineWorker):
     async def _release(self, attempt_id: str) -> None:
         """Give an unused reservation's slot and blocks back (the request is cancelled)."""
         held = self._reserved.pop(attempt_id, None)
-        if held is not None:
-            held[1].cancel()
+        if held is None:
+            return
+        held[1].cancel()
+        released = self._releasing[attempt_id] = asyncio.get_running_loop().create_future()
+        try:
             await self.engine.abort(attempt_id)
+            async for _ in held[0][1]:  # ends (CANCELLED) once the engine reclaimed it
+                pass
+        except Exception:  # the engine died: its streams end with the error, nothing held
+            logger.debug("%s: releasing %s", self.name, attempt_id, exc_info=True)
+        finally:
+            del self._releasing[attempt_id]
+            released.set_result(None)
 
     async def start_decode(self, attempt: EngineRequest, source: KVSource, consumer: str) -> None:
         """Continue ``attempt`` here with its KV from ``source``; its tokens go to
@@ -138,6 +153,8 @@ class DecodeWorker(EngineWorker):
             held = self._reserved.pop(aid, None)
             if held is not None:
                 held[1].cancel()
+            elif aid in self._releasing:  # its TTL ran out as the prefill ended: admit anew
+                await asyncio.shield(self._releasing[aid])
             blocks, stream = held[0] if held else await self.engine.import_request(attempt)
             try:
                 await self._pull(source, TransferKey.of(attempt), blocks, attempt.deadline)

@@ -14,8 +14,11 @@ from hypothesis import Phase, settings
 
 # Ray reads these when it is imported: set before any test module imports it (loopback only --
 # or the hosts of a test bed the tests made, tandem/testbed.py -- and no auth on test clusters:
-# docs/design.md#ray-runtime).
-from tandem.bootstrap import LOOPBACK_ENV, init_ray  # noqa: I001
+# docs/design.md#ray-runtime). Only ``ray_session`` starts a cluster: a worker built in this
+# process that calls Ray (a decode worker renewing a lease) must not auto-start a default one
+# (two CPUs), which the session's cluster would then join, starving its actors.
+os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+from tandem.bootstrap import LOOPBACK_ENV, init_ray  # noqa: I001, E402
 
 os.environ.update(LOOPBACK_ENV)
 

@@ -200,3 +200,40 @@ def test_a_stopped_reservation_gives_back_what_it_held_or_waited_for(
     finally:
         decode.transport.close()
         decode.engine.shutdown()
+
+
+def test_a_start_as_its_reservation_runs_out_is_admitted_anew_not_refused(
+    prefill: PrefillWorker, decode: DecodeWorker, test_llama: Path
+) -> None:
+    """A prefill slower than the reservation's TTL: the release (its timer's callback) and
+    start_decode race. The import waits until the released request is reclaimed -- its id would
+    clash with the ending one -- then decodes exactly: the released reservation's CANCELLED
+    record, then the attempt's FINISHED one."""
+    [[out]] = LLMEngine.from_checkpoint(test_llama, CONFIG).generate([list(PROMPT)], GREEDY)
+
+    async def body() -> None:
+        await prefill.ready()
+        await decode.ready()
+        stream = decode.subscribe("c")
+        await decode.reserve(ATTEMPT)
+        handing = prefill.prefill(ATTEMPT)
+        source = await anext(handing)
+        releasing = asyncio.ensure_future(decode._release(ATTEMPT.key))  # the TTL's callback
+        await decode.start_decode(ATTEMPT, source, "c")
+        first = await anext(handing)
+        await decode.handoff(ATTEMPT.key, replace(first, prompt_logprobs=None))
+        items = await items_of(stream, ATTEMPT.key)
+        rest = [d for d in items if isinstance(d, TokenDelta)]
+        assert rest == items  # no error
+        assert first.token_ids + [t for d in rest for t in d.token_ids] == out.token_ids
+        await releasing
+        await stream.aclose()
+        await decode.check_idle()
+        await eventually_idle(prefill.check_idle)
+        records = [(r.request_id, r.status) for r in await decode.records()]
+        assert records == [
+            (ATTEMPT.key, RequestStatus.CANCELLED),
+            (ATTEMPT.key, RequestStatus.FINISHED),
+        ]
+
+    asyncio.run(asyncio.wait_for(body(), 120))
