@@ -194,6 +194,34 @@ def test_n_and_several_prompts_give_every_choice(
     assert out.usage is not None and out.usage.completion_tokens == 4 * 6
 
 
+def test_a_seeded_sampled_n_2_request_draws_the_engines_n_2_texts_and_its_seed_replays(
+    client: openai.OpenAI, engine: LLMEngine, tok: Tokenizer
+) -> None:
+    """docs/design.md#sampling-seeds: the edge runs choice j as its own request with choice j of
+    the request's seed, so a seeded n = 2 request draws, through the cluster, the texts one
+    engine draws for n = 2; an unseeded one reports the seed it drew, and sending it back
+    reproduces the response."""
+    prompt = "A long time ago"
+    sampled: dict[str, Any] = {"temperature": 0.8, "top_p": 0.95, "max_tokens": 8}
+    out = client.completions.create(
+        model=MODEL, prompt=prompt, n=2, seed=1234, extra_body={"ignore_eos": True}, **sampled
+    )
+    params = SamplingParams(n=2, seed=1234, ignore_eos=True, **sampled)
+    [want] = engine.generate([tok.encode(prompt)], params)
+    assert [c.text for c in out.choices] == [w.text for w in want]
+    assert out.choices[0].text != out.choices[1].text  # each choice its own draws
+
+    first = client.completions.create(
+        model=MODEL, prompt=prompt, n=2, extra_body={"ignore_eos": True}, **sampled
+    )
+    seed = (first.model_extra or {})["seed"]
+    again = client.completions.create(
+        model=MODEL, prompt=prompt, n=2, seed=seed, extra_body={"ignore_eos": True}, **sampled
+    )
+    assert [c.text for c in again.choices] == [c.text for c in first.choices]
+    assert (again.model_extra or {})["seed"] == seed
+
+
 def test_logprobs_match_the_engine(
     client: openai.OpenAI, engine: LLMEngine, tok: Tokenizer
 ) -> None:

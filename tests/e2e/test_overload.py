@@ -117,7 +117,9 @@ def test_three_times_the_batch_slots_all_complete_and_equal_the_engine(
     server: str, engine: LLMEngine, demo_tok: Tokenizer
 ) -> None:
     """3x the batch slots at once: every stream gets exactly max_tokens tokens, its text is the
-    engine's, none saw an error; some had to wait in the queue, which never passed its bound."""
+    engine's, none saw an error; some had to wait in the queue, which never passed its bound.
+    Waiting spends no attempt and no retry token: every engine request is an attempt 1, none
+    retried or migrated, the retry budget where it was."""
     prompts = [f"Story number {i} begins with" for i in range(3 * SLOTS)]
     max_tokens = 48
     bodies = [
@@ -125,6 +127,9 @@ def test_three_times_the_batch_slots_all_complete_and_equal_the_engine(
         for p in prompts
     ]
     errors_before = metric(server, "tandem_stream_errors_total")
+    moved = ("tandem_retries_total", "tandem_migrations_total")
+    moved_before = [metric(server, name) for name in moved]
+    budget_before = metric(server, "tandem_retry_budget_tokens")
     outcomes = InThread(Sender(server, MODEL), requests_of(bodies)).join()
     results = [(o.text, o.choices[0].finish_reason, o.num_tokens) for o in outcomes]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -134,7 +139,12 @@ def test_three_times_the_batch_slots_all_complete_and_equal_the_engine(
     waiting, deepest = queue_stats()
     assert waiting == 0 and 0 < deepest <= BOUND
     assert metric(server, "tandem_stream_errors_total") == errors_before == 0
+    assert [metric(server, name) for name in moved] == moved_before
+    assert metric(server, "tandem_retry_budget_tokens") == budget_before > 0
     workers_idle()
+    for name in ("prefill-0", "decode-0"):
+        records = ray.get(ray.get_actor(name, namespace=NAMESPACE).records.remote(), timeout=30)
+        assert records and all(r.request_id.endswith("@1") for r in records), name
 
 
 def test_past_the_queue_bound_the_excess_gets_429_and_a_client_that_retries_succeeds(

@@ -169,3 +169,30 @@ def test_request_times_start_at_its_arrival() -> None:
     """A request's times record its arrival stamp (TTFT and queue metrics start there)."""
     req = Request("a", [1], SamplingParams(), arrival_time=12.5)
     assert req.times.arrival == 12.5 and req.times.queued is None
+
+
+def test_only_the_scheduler_and_its_admission_change_a_state() -> None:
+    """design.md#request-states: a state changes only through ``Request.transition``, and only
+    the scheduler (with its admission step) calls it -- read off the product's source, so a
+    module that starts moving requests itself fails here."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    calls, writes = set(), set()
+    for file in repo.glob("*/**/*.py"):
+        top = file.relative_to(repo).parts[0]
+        if top in ("tests", ".venv") or not (repo / top / "__init__.py").exists():
+            continue
+        for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                if node.func.attr == "transition":
+                    calls.add(file.relative_to(repo).as_posix())
+            if isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Attribute) and t.attr == "status" for t in targets):
+                    writes.add(file.relative_to(repo).as_posix())
+    assert calls == {"engine/scheduler.py", "engine/admission.py"}
+    # Request.transition's own write; the others are other records' statuses (HTTP errors, the
+    # gate's refusals, a chaos client's outcomes), not a request's state.
+    assert writes == {"engine/request.py", "api/protocol.py", "api/gate.py", "chaos/load.py"}

@@ -6,6 +6,7 @@ that went through float anywhere would change them."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import math
@@ -19,6 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -118,6 +120,7 @@ def publish(
     request_id: str = "req",
     ready: bool = True,
     lease_s: float = 30.0,
+    source: Callable[[int], torch.Tensor] | None = None,
 ) -> Published:
     layout = KVLayout.from_cache(cache)
     header = TransferHeader(
@@ -133,7 +136,7 @@ def publish(
     releases: list[ReleaseReason] = []
     export = registry.publish(
         header,
-        source=lambda layer: extract_layer(cache, layer, blocks),
+        source=source or (lambda layer: extract_layer(cache, layer, blocks)),
         lease_s=lease_s,
         on_release=releases.append,
     )
@@ -745,6 +748,66 @@ def test_lease_expiry_mid_stream_releases_once(
     assert registry.expire(time.time() + 60) == []
     assert not client.release(server.address, pub.key, ReleaseReason.ACKED)
     assert pub.releases == [ReleaseReason.EXPIRED]
+
+
+def test_no_byte_read_after_the_lease_ended_reaches_the_puller(
+    registry: KVExportRegistry, server: KVTransferServer, client: KVTransport
+) -> None:
+    """#kv-transfer-leases: once a lease ends its blocks may be reused, so nothing read from
+    them afterwards may leave. The puller has layers 0 and 1 when the lease expires while the
+    server reads layer 2, and the blocks are overwritten right then (as a reused block would
+    be): the pull aborts, and not one chunk or byte read after the expiry reached the puller
+    (aborting alone, as test_lease_expiry_mid_stream_releases_once shows, would not say so)."""
+    cache, blocks = random_cache(8, torch.bfloat16), [1, 2, 3]
+    original = cache.clone()
+    expired: list[list[TransferKey]] = []
+
+    def source(layer: int) -> torch.Tensor:  # the server's read of a layer
+        if layer == 2:  # the lease ends mid-read; another request reuses the blocks
+            expired.append(registry.expire(time.time() + 60))
+            cache[:, :, blocks] = random_cache(8, torch.bfloat16, seed=9)[:, :, blocks]
+        return extract_layer(cache, layer, blocks)
+
+    pub = publish(registry, cache, blocks, ready=False, source=source)
+    sink = Recorder()
+    thread, out = pull_in_thread(client, server.address, pub, sink, soon())
+    for layer in (0, 1):
+        pub.export.layer_ready(layer)
+        assert sink.got_layer[layer].wait(10)
+    pub.export.all_ready()  # the KV is complete: the lease starts
+    thread.join()
+    assert expired == [[pub.key]] and pub.releases == [ReleaseReason.EXPIRED]
+    assert isinstance(out.get("error"), KVTransferAborted)
+    assert [c.layer for c in sink.chunks] == [0, 1]  # nothing from the read that lost the race
+    for c in sink.chunks:  # and only the bytes from before the reuse
+        assert same_bytes(c.payload, extract_layer(original, c.layer, blocks))
+
+
+def test_the_prefill_workers_sweep_expires_an_overdue_lease_nobody_pulls(
+    registry: KVExportRegistry,
+) -> None:
+    """#kv-transfer-leases: "the prefill worker expires overdue leases every second". A lease
+    nobody comes back for (no pull, no renewal: the puller died) is released EXPIRED by the
+    worker's own loop within about a second of its deadline, so its blocks are freed."""
+    from prefill_worker.worker import PrefillWorker  # the loop only needs a ``registry``
+
+    pub = publish(registry, random_cache(2, torch.float32), [0, 1], lease_s=0.3)
+    deadline = pub.export.lease_deadline
+
+    worker: Any = SimpleNamespace(registry=registry)
+
+    async def body() -> float:
+        sweep = asyncio.create_task(PrefillWorker._expire_leases(worker))
+        try:
+            while not pub.releases and time.time() < deadline + 10:
+                await asyncio.sleep(0.01)
+            return time.time()
+        finally:
+            sweep.cancel()
+
+    released_at = asyncio.run(body())
+    assert pub.releases == [ReleaseReason.EXPIRED] and len(registry) == 0
+    assert deadline <= released_at < deadline + 2.0  # the next tick, with slack for a busy box
 
 
 def test_peer_death_releases_what_it_pulled(
