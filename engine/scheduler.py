@@ -17,6 +17,7 @@ TerminalRecord written) at the start of the next ``schedule()`` by :meth:`Schedu
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Callable
 
@@ -261,7 +262,8 @@ class Scheduler:
         if pairs is not None:
             out.swap_out.extend(pairs)
             victim.transition(S.SWAPPED)
-            self._swapped.append(victim)
+            # Kept in arrival order, so they come back oldest first (victims go newest first).
+            bisect.insort(self._swapped, victim, key=lambda r: r.arrival_time)
             return
         self.kv.free(rid)  # also drops the reservation; it is taken again on resume
         self.admission.forget(rid)

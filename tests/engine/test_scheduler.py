@@ -757,7 +757,15 @@ def test_random_workloads_complete_exactly(
             S.QUEUED,
             S.DEGRADED,
         )
-    h.run(max_steps=500)
+    # #speculative-decoding: no speculation, so a step commits at most one token per sequence
+    for _ in range(500):
+        if not h.sched.has_unfinished:
+            break
+        before = {rid: req.num_generated for rid, req in h.reqs.items()}
+        h.step()
+        grew = {rid: req.num_generated - before[rid] for rid, req in h.reqs.items()}
+        assert max(grew.values()) <= 1, f"more than one token in one step: {grew}"
+    assert not h.sched.has_unfinished, "scheduler did not drain"
     h.assert_drained()
     for i, (plen, max_tokens, _) in enumerate(lens):
         rec = h.record(f"r{i}")
@@ -1376,3 +1384,33 @@ def test_a_request_waiting_for_its_kv_is_never_a_preemption_victim() -> None:
     preempted = [rid for _ in range(8) for rid in h.step().preempted_ids]
     assert preempted == ["B"]
     assert d.status is S.WAITING_FOR_KV and h.kv.block_table("D") == blocks and len(blocks) == 2
+
+
+def test_several_swapped_requests_come_back_oldest_first() -> None:
+    """#preemption: "Swapped requests come back, oldest first". Three requests swapped out in
+    one step (victims latest arrival first: E, D, C) must come back by age, C first, as the
+    recompute path readmits its victims (test_victims_of_one_step_are_readmitted_in_arrival_order).
+    """
+    h = Harness(
+        5,
+        num_host_blocks=8,
+        prefix_caching=False,
+        admission_output_tokens=0,
+        preemption_mode="swap",
+    )
+    for i, rid in enumerate("ABCDE"):
+        h.clock.t = float(i)
+        h.add(rid, [10 * i + 1, 10 * i + 2, 10 * i + 3], max_tokens=3)
+    h.step()
+    h.step()
+    out = h.step()  # all five need a second block, none is free: E, D, then C steps back
+    assert out.preempted_ids == ["E", "D", "C"] and [c.request_id for c in out.chunks] == ["A", "B"]
+    assert [h.reqs[rid].status for rid in "CDE"] == [S.SWAPPED] * 3
+    # A and B end; 5 free blocks hold two of the three (2 blocks each): the oldest two go first
+    trace = [[(c.request_id, c.start_pos) for c in h.step().chunks] for _ in range(2)]
+    assert trace == [[("C", 4), ("D", 4)], [("E", 4)]]
+    assert [o.swap_in != [] for o in h.outputs[3:5]] == [True, True]
+    h.run()
+    h.assert_drained()
+    for rid in "ABCDE":
+        assert h.outputs_of(rid) == expected_tokens(3, 3)
