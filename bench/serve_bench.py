@@ -134,7 +134,7 @@ def cold_start(model_dir: Path) -> dict[str, Any]:
     tmp = short_tmpdir()
     port = free_port("127.0.0.1")
     url = f"http://127.0.0.1:{port}"
-    model = load_topology(DEFAULT_TOPOLOGY).model.name  # the name `tandem serve` serves under
+    model = model_dir.name  # `tandem serve --model DIR` serves it under its dir's name
     env = os.environ | {
         **LOOPBACK_ENV,
         "RAY_TMPDIR": str(tmp),
@@ -488,9 +488,9 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def write_topology(model_dir: Path, into: Path) -> Path:
-    """``local.yaml`` with ``model.path`` = the demo checkpoint of ``size``."""
+    """``local.yaml`` with ``model.path`` = ``model_dir`` (a demo checkpoint)."""
     data = yaml.safe_load(DEFAULT_TOPOLOGY.read_text(encoding="utf-8"))
-    data["model"] = {k: v for k, v in data["model"].items() if k != "demo_size"}
+    data["model"] = {k: v for k, v in data["model"].items() if k not in ("demo_size", "builtin")}
     data["model"]["path"] = str(model_dir)  # named after the dir: demo-<size>-llama
     out = into / "topology.yaml"
     out.write_text(yaml.safe_dump(data), encoding="utf-8")

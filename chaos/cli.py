@@ -18,7 +18,7 @@ def add_command(sub: Any) -> None:
     ch_run.add_argument(
         "--topology",
         default=None,
-        help="the cluster's topology YAML (default: the plan's, else local.yaml)",
+        help="the cluster's topology YAML (default: the plan's, else local-demo.yaml)",
     )
     ch_run.add_argument(
         "--address", default=None, help="a running cluster's Ray address (default: start one)"
@@ -49,7 +49,9 @@ def add_command(sub: Any) -> None:
 def run(a: argparse.Namespace) -> int:
     from chaos.main import run_command
 
-    topology = Path(a.topology) if a.topology else None  # the plan's, local.yaml or testbed.yaml
+    topology = (
+        Path(a.topology) if a.topology else None
+    )  # the plan's, local-demo.yaml or testbed.yaml
     out = Path(a.out) if a.out else None
     return run_command(a.plan, topology, a.address, a.url, out, a.testbed, a.on_bed, a.sabotage)
 

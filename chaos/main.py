@@ -16,7 +16,7 @@ from chaos.plan import ChaosPlan, load_plan, shipped_plans
 from chaos.report import write_report
 from chaos.sabotage import Kind, parse
 from chaos.verdict import Summary
-from tandem.deployment import DEFAULT_TOPOLOGY
+from tandem.deployment import DEMO_TOPOLOGY
 from tandem.topology import load_topology
 
 
@@ -60,7 +60,7 @@ def run_command(
     kinds = parse(sabotage) if sabotage else None
     plan = load_plan(plan_file)
     if topology_file is None:
-        default = DEFAULT_TOPOLOGY.with_name("testbed.yaml") if testbed_nodes else DEFAULT_TOPOLOGY
+        default = DEMO_TOPOLOGY.with_name("testbed.yaml") if testbed_nodes else DEMO_TOPOLOGY
         topology_file = default.with_name(f"{plan.topology}.yaml") if plan.topology else default
     out = out or Path("chaos-reports") / f"{plan.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     if testbed_nodes is not None and kinds:

@@ -337,7 +337,7 @@ class ChaosPlan(ConfigSection):
     topology: str | None = Field(
         None,
         description="the shipped topology (deploy/topologies/NAME.yaml) a run starts when no "
-        "--topology is given (default: local.yaml; testbed.yaml with --testbed)",
+        "--topology is given (default: local-demo.yaml; testbed.yaml with --testbed)",
     )
 
     @model_validator(mode="after")

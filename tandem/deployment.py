@@ -35,6 +35,8 @@ from tandem.topology import load_topology
 
 logger = logging.getLogger("tandem.deployment")
 DEFAULT_TOPOLOGY = Path(__file__).resolve().parent.parent / "deploy" / "topologies" / "local.yaml"
+# local.yaml with the demo model: the chaos harness's default (what it checks is the cluster).
+DEMO_TOPOLOGY = DEFAULT_TOPOLOGY.with_name("local-demo.yaml")
 
 
 def rebind_after_a_crash() -> None:

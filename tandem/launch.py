@@ -32,7 +32,7 @@ from contracts.actors import RouterClient, WorkerClient
 from contracts.messages import WorkerInfo
 from contracts.roles import NAMESPACE, ROUTER_NAME, Transport
 from router.actor import RouterActor
-from tandem.demo import ensure_demo_model
+from tandem.demo import ensure_demo_model, ensure_smollm2
 from tandem.sizing import sized_engine, sizes_itself
 from tandem.topology import Role, Topology, WorkerSpec
 
@@ -57,7 +57,11 @@ def _actor_class(role: Role) -> type[Any]:
 
 
 def model_dir_of(topology: Topology) -> Path:
-    return topology.model.path or ensure_demo_model(topology.model.demo_size)
+    """The topology's checkpoint dir; a built-in model is built first if it is not yet."""
+    model = topology.model
+    if model.path is not None:
+        return model.path
+    return ensure_demo_model(model.demo_size) if model.builtin == "demo" else ensure_smollm2()
 
 
 @dataclass

