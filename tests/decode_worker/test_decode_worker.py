@@ -133,13 +133,17 @@ async def held(decode: DecodeWorker) -> tuple[int, int]:
     return await decode.engine.call(lambda e: (e.scheduler.num_running, e.kv.stats().in_use_blocks))
 
 
+@pytest.mark.parametrize("runs_out", [False, True], ids=["used", "ttl-races-the-start"])
 def test_a_reservation_holds_slot_and_blocks_before_the_prefill_and_the_decode_uses_them(
-    prefill: PrefillWorker, decode: DecodeWorker, test_llama: Path
+    prefill: PrefillWorker, decode: DecodeWorker, test_llama: Path, runs_out: bool
 ) -> None:
     """The coordinator's order (router.reserve_decode_first): reserve on the decode worker,
     then prefill. The slot and the prompt's blocks are held before any prefill work; the
     decode takes that reservation (one engine request, one terminal record) and continues
-    exactly."""
+    exactly. ``runs_out``: a prefill slower than the reservation's TTL, whose release (the
+    timer's callback) races start_decode: the import waits until the released request is
+    reclaimed -- its id would clash with the ending one -- then decodes exactly (the released
+    reservation's CANCELLED record, then the attempt's own)."""
     [[out]] = LLMEngine.from_checkpoint(test_llama, CONFIG).generate([list(PROMPT)], GREEDY)
 
     async def body() -> None:
@@ -150,16 +154,22 @@ def test_a_reservation_holds_slot_and_blocks_before_the_prefill_and_the_decode_u
         assert await held(decode) == (1, 3)  # 37 prompt tokens: 3 blocks of 16
         handing = prefill.prefill(ATTEMPT)
         source = await anext(handing)
+        releasing = asyncio.ensure_future(decode._release(ATTEMPT.key)) if runs_out else None
         await decode.start_decode(ATTEMPT, source, "c")
         first = await anext(handing)
         await decode.handoff(ATTEMPT.key, replace(first, prompt_logprobs=None))
-        rest = [d for d in await items_of(stream, ATTEMPT.key) if isinstance(d, TokenDelta)]
+        items = await items_of(stream, ATTEMPT.key)
+        rest = [d for d in items if isinstance(d, TokenDelta)]
+        assert rest == items  # no error
         assert first.token_ids + [t for d in rest for t in d.token_ids] == out.token_ids
+        if releasing is not None:
+            await releasing
         await stream.aclose()
         await decode.check_idle()
         await eventually_idle(prefill.check_idle)
-        [record] = await decode.records()
-        assert (record.request_id, record.status) == (ATTEMPT.key, RequestStatus.FINISHED)
+        records = [(r.request_id, r.status) for r in await decode.records()]
+        released = [(ATTEMPT.key, RequestStatus.CANCELLED)] if runs_out else []
+        assert records == [*released, (ATTEMPT.key, RequestStatus.FINISHED)]
 
     asyncio.run(asyncio.wait_for(body(), 120))
 
@@ -200,40 +210,3 @@ def test_a_stopped_reservation_gives_back_what_it_held_or_waited_for(
     finally:
         decode.transport.close()
         decode.engine.shutdown()
-
-
-def test_a_start_as_its_reservation_runs_out_is_admitted_anew_not_refused(
-    prefill: PrefillWorker, decode: DecodeWorker, test_llama: Path
-) -> None:
-    """A prefill slower than the reservation's TTL: the release (its timer's callback) and
-    start_decode race. The import waits until the released request is reclaimed -- its id would
-    clash with the ending one -- then decodes exactly: the released reservation's CANCELLED
-    record, then the attempt's FINISHED one."""
-    [[out]] = LLMEngine.from_checkpoint(test_llama, CONFIG).generate([list(PROMPT)], GREEDY)
-
-    async def body() -> None:
-        await prefill.ready()
-        await decode.ready()
-        stream = decode.subscribe("c")
-        await decode.reserve(ATTEMPT)
-        handing = prefill.prefill(ATTEMPT)
-        source = await anext(handing)
-        releasing = asyncio.ensure_future(decode._release(ATTEMPT.key))  # the TTL's callback
-        await decode.start_decode(ATTEMPT, source, "c")
-        first = await anext(handing)
-        await decode.handoff(ATTEMPT.key, replace(first, prompt_logprobs=None))
-        items = await items_of(stream, ATTEMPT.key)
-        rest = [d for d in items if isinstance(d, TokenDelta)]
-        assert rest == items  # no error
-        assert first.token_ids + [t for d in rest for t in d.token_ids] == out.token_ids
-        await releasing
-        await stream.aclose()
-        await decode.check_idle()
-        await eventually_idle(prefill.check_idle)
-        records = [(r.request_id, r.status) for r in await decode.records()]
-        assert records == [
-            (ATTEMPT.key, RequestStatus.CANCELLED),
-            (ATTEMPT.key, RequestStatus.FINISHED),
-        ]
-
-    asyncio.run(asyncio.wait_for(body(), 120))
