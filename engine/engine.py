@@ -6,6 +6,7 @@ workers drive (``add_request`` / ``step`` / ``abort``). It is not thread-safe: o
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -28,6 +29,7 @@ from engine.request import EngineRequest, FinishReason, Request, RequestStatus, 
 from engine.sampler import Sampler, SamplingState, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
 
 
@@ -204,6 +206,16 @@ class LLMEngine:
             return False
         return self.kv.free(request_id)
 
+    @functools.cached_property
+    def grammars(self) -> Grammars:
+        """The grammar side of structured outputs (engine/structured.py), built at the first
+        constrained request (~0.5 s: the grammar engine's view of the tokenizer)."""
+        eos = [*self.model_config.eos_token_ids, *sorted(self.tokenizer.eos_token_ids)]
+        return Grammars(self.tokenizer.json, self.model_config.vocab_size, eos[0] if eos else None)
+
+    def _grammars_for(self, params: SamplingParams) -> Grammars | None:
+        return self.grammars if params.constraint is not None else None
+
     def _checked_ids(self, token_ids: Sequence[int], what: str) -> list[int]:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
@@ -217,6 +229,8 @@ class LLMEngine:
             raise ValueError("empty prompt")
         params = request.params
         params.validate_vocab(self.model_config.vocab_size)
+        if params.constraint is not None:
+            self.grammars.compile(params.constraint)  # InvalidConstraint (a ValueError)
         rid = request.key
         if "#" in rid:
             raise ValueError(f"request id {rid!r}: '#' is reserved for n > 1 samples")
@@ -236,8 +250,7 @@ class LLMEngine:
         req.output_token_ids = self._checked_ids(request.resume_output, "resumed")
         return req
 
-    @staticmethod
-    def _restored(req: Request, snapshot: SamplingSnapshot) -> SamplingState:
+    def _restored(self, req: Request, snapshot: SamplingSnapshot) -> SamplingState:
         """The sampler state ``snapshot`` holds, for ``req`` as it stands (ValueError when the
         snapshot was taken at another output length). The request records the snapshot's seed
         and choice: they, not a seed drawn here, are what its tokens were drawn from."""
@@ -247,6 +260,7 @@ class LLMEngine:
             req.prompt_token_ids,
             req.output_token_ids,
             req.eos_token_ids,
+            self._grammars_for(req.sampling_params),
         )
         req.sampling_params = replace(
             req.sampling_params, seed=snapshot.seed, choice=snapshot.choice
@@ -263,7 +277,7 @@ class LLMEngine:
         """Start following an admitted request; ``sampling`` defaults to a fresh state."""
         params = req.sampling_params
         if sampling is None:
-            sampling = SamplingState.for_request(req, sample_index=index)
+            sampling = SamplingState.for_request(req, index, self._grammars_for(params))
         seq = _Sequence(
             request=req,
             index=index,

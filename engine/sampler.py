@@ -4,7 +4,8 @@ Pipeline (docs/design.md#sampling-order), each step skipped for rows that leave 
 
     hard constraints -> penalties -> temperature -> top-k -> top-p -> min-p -> typical -> draw
 
-Steps 1–2 live in :mod:`engine.logits_processors`. ``temperature == 0`` is its own greedy branch
+Steps 1–2 live in :mod:`engine.logits_processors`, a request's grammar (structured outputs,
+:mod:`engine.structured`) first among the hard constraints. ``temperature == 0`` is its own greedy branch
 (argmax, lowest token id wins a tie) and never divides by zero. Each truncation filter
 renormalises what it keeps, so the next filter sees a distribution (top-k then top-p differs from
 top-p then top-k, docs/design.md#sampling-order).
@@ -30,6 +31,7 @@ from engine.logits_processors import TokenHistory, needs_processing, process_log
 from engine.outputs import SamplingSnapshot, TokenLogprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
+from engine.structured import Grammars, GrammarState, apply_grammars
 
 # Cumulative mass within this of the target counts as reaching it, so that float rounding of an
 # exact boundary (0.3 + 0.33 vs typical_p = 0.63) cannot pull in one more token.
@@ -120,6 +122,7 @@ class SamplingState:
     eos_token_ids: frozenset[int]
     seed: int
     choice: int  # the key's choice index: params.choice + the sample's index among the n
+    grammar: GrammarState | None = None  # the constraint's matcher, when the request has one
 
     @classmethod
     def create(
@@ -131,15 +134,25 @@ class SamplingState:
         seed: int,
         choice: int = 0,
         eos_token_ids: frozenset[int] = frozenset(),
+        grammars: Grammars | None = None,
     ) -> SamplingState:
-        """A fresh state; ``output_token_ids`` is the sequence's live list (read every step)."""
+        """A fresh state; ``output_token_ids`` is the sequence's live list (read every step).
+        A constrained request's grammar comes from ``grammars`` (its matcher catches up with
+        the output, replaying it, at the first step)."""
         history = TokenHistory(
             prompt_token_ids, output_token_ids, ngram_size=params.no_repeat_ngram_size
         )
-        return cls(params, history, eos_token_ids, seed, choice)
+        grammar = None
+        if params.constraint is not None:
+            if grammars is None:
+                raise ValueError("a constrained request needs the engine's grammars")
+            grammar = grammars.state(params.constraint)
+        return cls(params, history, eos_token_ids, seed, choice, grammar)
 
     @classmethod
-    def for_request(cls, request: Request, sample_index: int = 0) -> SamplingState:
+    def for_request(
+        cls, request: Request, sample_index: int = 0, grammars: Grammars | None = None
+    ) -> SamplingState:
         """The state of sample ``sample_index`` of ``request``: its seed, its own choice."""
         params = request.sampling_params
         return cls.create(
@@ -149,6 +162,7 @@ class SamplingState:
             seed=request.seed,
             choice=params.choice + sample_index,
             eos_token_ids=request.eos_token_ids,
+            grammars=grammars,
         )
 
     def snapshot(self) -> SamplingSnapshot:
@@ -162,6 +176,7 @@ class SamplingState:
         prompt_token_ids: Sequence[int],
         output_token_ids: Sequence[int],
         eos_token_ids: frozenset[int] = frozenset(),
+        grammars: Grammars | None = None,
     ) -> SamplingState:
         """Rebuild a state from a snapshot. Raises ValueError if the output length differs from
         the one the snapshot was taken at (the sequence would not be the one it describes)."""
@@ -177,6 +192,7 @@ class SamplingState:
             seed=snapshot.seed,
             choice=snapshot.choice,
             eos_token_ids=eos_token_ids,
+            grammars=grammars,
         )
 
 
@@ -219,10 +235,15 @@ class Sampler:
             )
         params = [s.params for s in states]
         z = logits.float()
+        raw = logits  # what a row whose other hard constraints contradict falls back to
+        if any(s.grammar is not None for s in states):
+            z = z.clone() if z is logits else z
+            apply_grammars(z, [s.grammar for s in states], [s.history.output for s in states])
+            raw = z.clone()  # the grammar is never dropped
         if any(needs_processing(s.params, s.history, s.eos_token_ids) for s in states):
             z = z.clone() if z is logits else z
             histories = [s.history for s in states]
-            process_logits(z, logits, params, histories, [s.eos_token_ids for s in states])
+            process_logits(z, raw, params, histories, [s.eos_token_ids for s in states])
 
         greedy = [i for i, p in enumerate(params) if p.greedy]
         sampled = [i for i, p in enumerate(params) if not p.greedy]

@@ -7,8 +7,10 @@ Penalty conventions (declared here, as docs/design.md#sampling-order asks):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 
 class InvalidSamplingParams(ValueError):
@@ -18,6 +20,36 @@ class InvalidSamplingParams(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+# What a constraint's ``spec`` is (docs/design.md#structured-outputs): a JSON schema's text, a
+# regex, a JSON list of strings, or a Lark / GBNF grammar.
+ConstraintKind = Literal["json_schema", "regex", "choice", "grammar"]
+CONSTRAINT_KINDS: tuple[ConstraintKind, ...] = get_args(ConstraintKind)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match: ``kind`` and its text. Compiled, and checked, by the
+    engine's grammar side (engine/structured.py)."""
+
+    kind: ConstraintKind
+    spec: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in CONSTRAINT_KINDS:
+            raise InvalidSamplingParams(
+                "constraint", f"constraint kind {self.kind!r}: one of {', '.join(CONSTRAINT_KINDS)}"
+            )
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+        return cls("json_schema", '{"type": "object"}')
+
+    @classmethod
+    def choice(cls, options: Sequence[str]) -> Constraint:
+        return cls("choice", json.dumps(list(options)))
 
 
 @dataclass(frozen=True)
@@ -54,6 +86,8 @@ class SamplingParams:
     # Logprobs of every prompt token (the first has none) with this many alternatives: the
     # whole prompt is computed, never taken from the prefix cache (docs/design.md#logprobs).
     prompt_logprobs: int | None = None
+    # The grammar the output must match (structured outputs); None: free text.
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         # Normalise list inputs so the object stays hashable-ish and immutable.

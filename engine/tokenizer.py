@@ -35,6 +35,7 @@ class Tokenizer:
         text = path.read_text(encoding="utf-8")
         spec = json.loads(text)
         self._tok = HFTokenizer.from_str(text)
+        self.json = text  # tokenizer.json: the grammar engine builds its own tokenizer from it
         config = _read_json(root / "tokenizer_config.json")
         generation = _read_json(root / "generation_config.json")
 

@@ -1,0 +1,94 @@
+"""Structured outputs (docs/design.md#structured-outputs): a request's output held to a grammar
+-- a JSON schema, a regex, a choice of strings or a Lark/GBNF grammar -- by masking, at every
+step, the tokens that cannot continue a match. llguidance (the grammar engine) computes the masks.
+
+A constraint is one field of the request (``SamplingParams.constraint``), so it travels with every
+attempt. Its matcher is never shipped: it is a pure function of the grammar and the token ids
+emitted so far, so a state is rebuilt by replaying those ids -- a prefill worker masks the first
+token, the decode worker replays it; a migrated request replays its output, and the grammar
+continues where it was, never restarted at the root.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+import llguidance
+import numpy as np
+import torch
+from torch import Tensor
+
+from engine.sampling_params import Constraint
+
+GRAMMARS_CACHED = 256  # compiled grammars kept per engine (by constraint)
+
+
+class InvalidConstraint(ValueError):
+    """A schema, regex or grammar the grammar engine cannot use; the message says why."""
+
+
+class Grammars:
+    """One engine's grammar side: the tokenizer as llguidance sees it (built once, ~1 s) and
+    the compiled grammars, cached by constraint."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None) -> None:
+        self.vocab_size = vocab_size
+        self.tokenizer = llguidance.LLTokenizer(
+            tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id
+        )
+        self.compile = functools.lru_cache(maxsize=GRAMMARS_CACHED)(self._compile)
+
+    def _compile(self, constraint: Constraint) -> str:
+        """The llguidance grammar of ``constraint``; InvalidConstraint when it cannot be used."""
+        try:
+            grammar = llguidance.grammar_from(constraint.kind, constraint.spec)
+        except ValueError as e:
+            raise InvalidConstraint(f"invalid {constraint.kind}: {e}") from None
+        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
+        if error:
+            raise InvalidConstraint(f"invalid {constraint.kind}: {error}")
+        return grammar
+
+    def state(self, constraint: Constraint) -> GrammarState:
+        return GrammarState(llguidance.LLMatcher(self.tokenizer, self.compile(constraint)))
+
+
+class GrammarState:
+    """One sequence's matcher, kept in step with its output ids: tokens new since the last step
+    are consumed; an output that shrank (a rollback) is replayed from the start."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+        self.consumed = 0
+
+    def sync(self, output: Sequence[int]) -> None:
+        """Consume what ``output`` gained since the last call; raises RuntimeError when a token
+        breaks the grammar (only a bug can: every sampled token was allowed)."""
+        if len(output) < self.consumed:
+            self.matcher.reset()
+            self.consumed = 0
+        if len(output) > self.consumed:
+            self.matcher.consume_tokens(list(output[self.consumed :]))
+            self.consumed = len(output)
+        if self.matcher.is_error():
+            raise RuntimeError(f"grammar state: {self.matcher.get_error()}")
+
+    def allowed(self, vocab_size: int) -> Tensor:
+        """The tokens that may come next, as a bool row of ``vocab_size``."""
+        bits = np.unpackbits(
+            np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
+        )
+        return torch.from_numpy(bits[:vocab_size].astype(bool))
+
+
+def apply_grammars(
+    logits: Tensor, states: Sequence[GrammarState | None], outputs: Sequence[Sequence[int]]
+) -> None:
+    """Mask, in place, every token of float32 ``logits`` [B, V] that row i's grammar does not
+    allow next (rows without one are untouched)."""
+    for row, (state, output) in enumerate(zip(states, outputs, strict=True)):
+        if state is not None:
+            state.sync(output)
+            allowed = state.allowed(logits.shape[1]).to(logits.device)
+            logits[row].masked_fill_(~allowed, float("-inf"))
