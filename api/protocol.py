@@ -8,7 +8,7 @@ whose ``param`` is the dotted path of the offending field, so the app has one er
 
 - **Unknown fields are rejected (400)**, not ignored as vLLM does: a misspelt ``temprature``
   silently sampling at T=1 is worse than a clear error. OpenAI fields this server does not
-  implement (``tools``, ``best_of``, ``response_format``...) are unknown fields too.
+  implement (``tools``, ``best_of``...) are unknown fields too.
   The engine's extras (``top_k``, ``min_p``... what the openai client sends via ``extra_body``)
   are top-level fields.
 - **Types are strict**: ``"0.5"`` is not a number and ``true`` is not an integer.
@@ -211,6 +211,68 @@ class ChatMessage(_Strict):
         return "\n".join(texts)
 
 
+class JSONSchemaFormat(_Strict):
+    """``response_format.json_schema``: OpenAI's named schema."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema", description="the JSON Schema to match")
+    strict: bool | None = Field(
+        default=None, description="accepted; the output always matches the schema"
+    )
+
+
+class TextFormat(_Strict):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(_Strict):
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(_Strict):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaFormat
+
+
+# OpenAI's ``response_format``: free text, any JSON object, or a JSON schema.
+ResponseFormat = Annotated[
+    TextFormat | JSONObjectFormat | JSONSchemaResponseFormat, Field(discriminator="type")
+]
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's ``structured_outputs`` (an extra body field): exactly one of a JSON schema, a
+    regex, a choice of strings, or a Lark / GBNF grammar."""
+
+    model_config = ConfigDict(
+        populate_by_name=True, json_schema_extra={"minProperties": 1, "maxProperties": 1}
+    )
+    json_schema: Annotated[
+        dict[str, Any] | str | None,
+        WithJsonSchema({"anyOf": [{"type": "object"}, {"type": "string"}]}),
+    ] = Field(default=None, alias="json", description="a JSON Schema (an object, or its text)")
+    regex: Annotated[str | None, WithJsonSchema({"type": "string", "minLength": 1})] = Field(
+        default=None, min_length=1
+    )
+    choice: Annotated[
+        list[str] | None,
+        WithJsonSchema({"type": "array", "items": {"type": "string"}, "minItems": 1}),
+    ] = Field(default=None, min_length=1)
+    grammar: Annotated[str | None, WithJsonSchema({"type": "string", "minLength": 1})] = Field(
+        default=None, min_length=1, description="a Lark or GBNF grammar"
+    )
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        kinds = ("json_schema", "regex", "choice", "grammar")
+        given = [k for k in kinds if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"exactly one of json, regex, choice, grammar; got {len(given)}")
+        return self
+
+
 class _SamplingFields(_Strict):
     """The fields both endpoints share: OpenAI's, then the engine's extras."""
 
@@ -247,6 +309,11 @@ class _SamplingFields(_Strict):
         list[int] | None, WithJsonSchema({"anyOf": [_TOKEN_ID_LIST, {"type": "null"}]})
     ] = None
     include_stop_str_in_output: bool = False
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(
+        default=None,
+        description="vLLM's: the output held to a JSON schema, regex, choice or grammar",
+    )
     # serving extras
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)  # lower first, as vLLM's
     timeout: float | None = Field(  # as X-Request-Timeout
@@ -284,6 +351,15 @@ class _SamplingFields(_Strict):
             if tid < 0:
                 raise ValueError(f"token id {tid} is negative")
         return value
+
+    @model_validator(mode="after")
+    def _one_output_format(self) -> _SamplingFields:
+        if self.structured_outputs is not None and self.response_format is not None:
+            if not isinstance(self.response_format, TextFormat):
+                raise _CrossFieldError(
+                    "structured_outputs", "give response_format or structured_outputs, not both"
+                )
+        return self
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
@@ -418,8 +494,9 @@ def _api_error(exc: ValidationError) -> APIError:
     if kind == "missing":
         return bad_request(param, f"{param!r} is required")
     cause = err.get("ctx", {}).get("error")
-    if isinstance(cause, _CrossFieldError):
-        return bad_request(cause.field, f"{cause.field!r}: {msg}")
+    if isinstance(cause, _CrossFieldError):  # its field, under the section that raised it
+        field = ".".join([*(str(p) for p in err["loc"]), cause.field])
+        return bad_request(field, f"{field!r}: {msg}")
     value = _short(err.get("input"))
     return bad_request(param, f"invalid value for {param!r} ({value}): {msg}")
 

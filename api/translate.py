@@ -18,6 +18,7 @@ choices a request may ask for). No I/O.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import uuid
@@ -30,6 +31,8 @@ from api.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    JSONObjectFormat,
+    JSONSchemaResponseFormat,
     PromptReport,
     bad_request,
     check_content_type,
@@ -37,7 +40,8 @@ from api.protocol import (
     parse_completion,
 )
 from api.responses import ResponseMeta
-from engine.sampling_params import InvalidSamplingParams, SamplingParams
+from engine.sampling_params import Constraint, InvalidSamplingParams, SamplingParams
+from engine.structured import InvalidConstraint, compile_grammar
 from engine.tokenizer import Tokenizer
 
 # A client may ask for a shorter timeout than the topology's deadline (seconds, a float).
@@ -277,9 +281,40 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            constraint=constraint_of(req),
         )
     except InvalidSamplingParams as exc:  # e.g. default_max_tokens < 1: no room left
         raise bad_request(exc.field, str(exc)) from None
+
+
+def constraint_of(req: CompletionRequest | ChatCompletionRequest) -> Constraint | None:
+    """The grammar ``response_format`` or ``structured_outputs`` asks the output to match,
+    checked here, so a schema, regex or grammar the engine cannot use is a 400 naming it
+    (docs/design.md#structured-outputs)."""
+    fmt, so = req.response_format, req.structured_outputs
+    if isinstance(fmt, JSONObjectFormat):
+        return Constraint.json_object()  # always valid
+    if isinstance(fmt, JSONSchemaResponseFormat):
+        field = "response_format.json_schema.schema"
+        constraint = Constraint("json_schema", json.dumps(fmt.json_schema.json_schema))
+    elif so is None:
+        return None
+    elif so.json_schema is not None:
+        field = "structured_outputs.json"
+        spec = so.json_schema
+        constraint = Constraint("json_schema", spec if isinstance(spec, str) else json.dumps(spec))
+    elif so.regex is not None:
+        field, constraint = "structured_outputs.regex", Constraint("regex", so.regex)
+    elif so.choice is not None:
+        field, constraint = "structured_outputs.choice", Constraint.choice(so.choice)
+    else:
+        assert so.grammar is not None  # StructuredOutputs holds exactly one
+        field, constraint = "structured_outputs.grammar", Constraint("grammar", so.grammar)
+    try:
+        compile_grammar(constraint)
+    except InvalidConstraint as exc:
+        raise bad_request(field, str(exc)) from None
+    return constraint
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:

@@ -31,7 +31,7 @@ from engine.logits_processors import TokenHistory, needs_processing, process_log
 from engine.outputs import SamplingSnapshot, TokenLogprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.structured import Grammars, GrammarState, apply_grammars
+from engine.structured import Grammars, GrammarState
 
 # Cumulative mass within this of the target counts as reaching it, so that float rounding of an
 # exact boundary (0.3 + 0.33 vs typical_p = 0.63) cannot pull in one more token.
@@ -238,7 +238,7 @@ class Sampler:
         raw = logits  # what a row whose other hard constraints contradict falls back to
         if any(s.grammar is not None for s in states):
             z = z.clone() if z is logits else z
-            apply_grammars(z, [s.grammar for s in states], [s.history.output for s in states])
+            _apply_grammars(z, states)
             raw = z.clone()  # the grammar is never dropped
         if any(needs_processing(s.params, s.history, s.eos_token_ids) for s in states):
             z = z.clone() if z is logits else z
@@ -273,6 +273,16 @@ class Sampler:
                 sub = probs[index]
                 probs[index] = _renormalise(sub, mask(sub, [value(params[i]) for i in rows]))
         return _draw(probs, [uniform(s.seed, s.choice, len(s.history.output)) for s in states])
+
+
+def _apply_grammars(logits: Tensor, states: Sequence[SamplingState]) -> None:
+    """Mask, in place, every token of float32 ``logits`` [B, V] that row i's grammar does not
+    allow next, its matcher first caught up with the row's output (rows without one: as is)."""
+    for row, state in enumerate(states):
+        if state.grammar is not None:
+            state.grammar.sync(state.history.output)
+            allowed = torch.from_numpy(state.grammar.allowed(logits.shape[1]))
+            logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
 
 
 def _argmax(logits: Tensor) -> Tensor:

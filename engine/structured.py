@@ -16,8 +16,7 @@ from collections.abc import Sequence
 
 import llguidance
 import numpy as np
-import torch
-from torch import Tensor
+from numpy.typing import NDArray
 
 from engine.sampling_params import Constraint
 
@@ -26,6 +25,20 @@ GRAMMARS_CACHED = 256  # compiled grammars kept per engine (by constraint)
 
 class InvalidConstraint(ValueError):
     """A schema, regex or grammar the grammar engine cannot use; the message says why."""
+
+
+def compile_grammar(constraint: Constraint, tokenizer: llguidance.LLTokenizer | None = None) -> str:
+    """The llguidance grammar of ``constraint``, checked (against ``tokenizer`` when given:
+    an engine's; without one, as the HTTP edge checks a request); InvalidConstraint when it
+    cannot be used."""
+    try:
+        grammar = llguidance.grammar_from(constraint.kind, constraint.spec)
+    except ValueError as e:
+        raise InvalidConstraint(f"invalid {constraint.kind}: {e}") from None
+    error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+    if error:
+        raise InvalidConstraint(f"invalid {constraint.kind}: {error}")
+    return grammar
 
 
 class Grammars:
@@ -40,15 +53,7 @@ class Grammars:
         self.compile = functools.lru_cache(maxsize=GRAMMARS_CACHED)(self._compile)
 
     def _compile(self, constraint: Constraint) -> str:
-        """The llguidance grammar of ``constraint``; InvalidConstraint when it cannot be used."""
-        try:
-            grammar = llguidance.grammar_from(constraint.kind, constraint.spec)
-        except ValueError as e:
-            raise InvalidConstraint(f"invalid {constraint.kind}: {e}") from None
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
-        if error:
-            raise InvalidConstraint(f"invalid {constraint.kind}: {error}")
-        return grammar
+        return compile_grammar(constraint, self.tokenizer)
 
     def state(self, constraint: Constraint) -> GrammarState:
         return GrammarState(llguidance.LLMatcher(self.tokenizer, self.compile(constraint)))
@@ -74,21 +79,7 @@ class GrammarState:
         if self.matcher.is_error():
             raise RuntimeError(f"grammar state: {self.matcher.get_error()}")
 
-    def allowed(self, vocab_size: int) -> Tensor:
+    def allowed(self, vocab_size: int) -> NDArray[np.bool_]:
         """The tokens that may come next, as a bool row of ``vocab_size``."""
-        bits = np.unpackbits(
-            np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
-        )
-        return torch.from_numpy(bits[:vocab_size].astype(bool))
-
-
-def apply_grammars(
-    logits: Tensor, states: Sequence[GrammarState | None], outputs: Sequence[Sequence[int]]
-) -> None:
-    """Mask, in place, every token of float32 ``logits`` [B, V] that row i's grammar does not
-    allow next (rows without one are untouched)."""
-    for row, (state, output) in enumerate(zip(states, outputs, strict=True)):
-        if state is not None:
-            state.sync(output)
-            allowed = state.allowed(logits.shape[1]).to(logits.device)
-            logits[row].masked_fill_(~allowed, float("-inf"))
+        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        return np.unpackbits(packed, bitorder="little")[:vocab_size].astype(bool)
