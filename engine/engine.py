@@ -6,7 +6,6 @@ workers drive (``add_request`` / ``step`` / ``abort``). It is not thread-safe: o
 
 from __future__ import annotations
 
-import functools
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -97,6 +96,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         self.sampler = Sampler(self.model_config.vocab_size)
         self.eos_token_ids = frozenset(self.model_config.eos_token_ids) | tokenizer.eos_token_ids
+        self.grammars = Grammars(tokenizer, self.model_config)  # structured outputs
         self._seqs: dict[str, _Sequence] = {}
         self._finished: list[CompletionOutput] = []
         self._ids = itertools.count()
@@ -206,16 +206,6 @@ class LLMEngine:
             return False
         return self.kv.free(request_id)
 
-    @functools.cached_property
-    def grammars(self) -> Grammars:
-        """The grammar side of structured outputs (engine/structured.py), built at the first
-        constrained request (~0.5 s: the grammar engine's view of the tokenizer)."""
-        eos = [*self.model_config.eos_token_ids, *sorted(self.tokenizer.eos_token_ids)]
-        return Grammars(self.tokenizer.json, self.model_config.vocab_size, eos[0] if eos else None)
-
-    def _grammars_for(self, params: SamplingParams) -> Grammars | None:
-        return self.grammars if params.constraint is not None else None
-
     def _checked_ids(self, token_ids: Sequence[int], what: str) -> list[int]:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
@@ -260,7 +250,7 @@ class LLMEngine:
             req.prompt_token_ids,
             req.output_token_ids,
             req.eos_token_ids,
-            self._grammars_for(req.sampling_params),
+            self.grammars,
         )
         req.sampling_params = replace(
             req.sampling_params, seed=snapshot.seed, choice=snapshot.choice
@@ -277,7 +267,7 @@ class LLMEngine:
         """Start following an admitted request; ``sampling`` defaults to a fresh state."""
         params = req.sampling_params
         if sampling is None:
-            sampling = SamplingState.for_request(req, index, self._grammars_for(params))
+            sampling = SamplingState.for_request(req, index, self.grammars)
         seq = _Sequence(
             request=req,
             index=index,

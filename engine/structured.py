@@ -18,7 +18,9 @@ import llguidance
 import numpy as np
 from numpy.typing import NDArray
 
+from engine.config import ModelConfig
 from engine.sampling_params import Constraint
+from engine.tokenizer import Tokenizer
 
 GRAMMARS_CACHED = 256  # compiled grammars kept per engine (by constraint)
 
@@ -42,15 +44,21 @@ def compile_grammar(constraint: Constraint, tokenizer: llguidance.LLTokenizer | 
 
 
 class Grammars:
-    """One engine's grammar side: the tokenizer as llguidance sees it (built once, ~1 s) and
-    the compiled grammars, cached by constraint."""
+    """One engine's grammar side: the tokenizer as llguidance sees it (built at the first use,
+    ~0.5 s) and the compiled grammars, cached by constraint."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int | None) -> None:
-        self.vocab_size = vocab_size
-        self.tokenizer = llguidance.LLTokenizer(
-            tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_id
-        )
+    def __init__(self, tokenizer: Tokenizer, model: ModelConfig) -> None:
+        self.vocab_size = model.vocab_size  # the logits' width
+        self._tokenizer_json = tokenizer.json
+        # The one EOS a finished grammar allows: the model's first, else the tokenizer's.
+        self._eos = next(iter([*model.eos_token_ids, *sorted(tokenizer.eos_token_ids)]), None)
         self.compile = functools.lru_cache(maxsize=GRAMMARS_CACHED)(self._compile)
+
+    @functools.cached_property
+    def tokenizer(self) -> llguidance.LLTokenizer:
+        return llguidance.LLTokenizer(
+            self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos
+        )
 
     def _compile(self, constraint: Constraint) -> str:
         return compile_grammar(constraint, self.tokenizer)
