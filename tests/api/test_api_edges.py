@@ -167,7 +167,8 @@ def test_chat_content_parts_are_in_the_schema(document: dict[str, Any]) -> None:
 
 # Rules the schema does not state (one field's validity depending on another's): a body valid
 # by the schema may still be refused for these, never for anything else.
-_CROSS_FIELD = {"stream_options", "top_logprobs", "max_tokens"}  # max_tokens 0: only with echo
+# max_tokens 0: only with echo; structured_outputs: not beside a non-text response_format
+_CROSS_FIELD = {"stream_options", "top_logprobs", "max_tokens", "structured_outputs"}
 
 
 @pytest.fixture(scope="module")
