@@ -236,11 +236,12 @@ class Sampler:
         params = [s.params for s in states]
         z = logits.float()
         raw = logits  # what a row whose other hard constraints contradict falls back to
+        processed = any(needs_processing(s.params, s.history, s.eos_token_ids) for s in states)
         if any(s.grammar is not None for s in states):
             z = z.clone() if z is logits else z
             _apply_grammars(z, states)
-            raw = z.clone()  # the grammar is never dropped
-        if any(needs_processing(s.params, s.history, s.eos_token_ids) for s in states):
+            raw = z.clone() if processed else z  # the grammar is never dropped
+        if processed:
             z = z.clone() if z is logits else z
             histories = [s.history for s in states]
             process_logits(z, raw, params, histories, [s.eos_token_ids for s in states])
