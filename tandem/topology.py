@@ -27,6 +27,7 @@ from contracts.roles import Role, Transport
 from engine.config import ConfigSection, DemoSize, EngineConfig
 from router.config import RouterConfig
 from tandem.demo import DEFAULT_DEMO_SIZE, demo_model_dir
+from tandem.gguf import served_name
 
 # Domain names are Ray node-label values and the label key a Ray label key; both follow the
 # Kubernetes label syntax, which `ray start --labels` enforces. Checked here so a bad name
@@ -56,7 +57,10 @@ class Spread(StrEnum):
 
 class ModelSpec(ConfigSection):
     path: Path | None = Field(
-        None, description="local Hugging Face checkpoint dir; None = the built-in model `builtin`"
+        None,
+        description="local Hugging Face checkpoint dir, or a .gguf file (Llama, Qwen2, Mistral; "
+        "dequantized once into a bf16 checkpoint under Tandem's home: tandem/gguf.py); None = the "
+        "built-in model `builtin`",
     )
     builtin: Literal["smollm2-135m-instruct", "demo"] = Field(
         "demo",
@@ -72,7 +76,8 @@ class ModelSpec(ConfigSection):
     )
     name: str = Field(
         min_length=1,
-        description="model id for clients and the prefix-cache hash; default: demo or dir name",
+        description="model id for clients and the prefix-cache hash; default: the demo's or the "
+        "dir's name, a .gguf file's stem lowercased",
     )
 
     @model_validator(mode="before")
@@ -81,7 +86,7 @@ class ModelSpec(ConfigSection):
         if not isinstance(data, dict) or data.get("name") is not None:
             return data
         if data.get("path") is not None:
-            return {**data, "name": Path(str(data["path"])).name}
+            return {**data, "name": served_name(Path(str(data["path"])))}
         if data.get("builtin", "demo") != "demo":
             return {**data, "name": data["builtin"]}
         # The demo checkpoint's dir name, as `tandem generate` uses it.
@@ -202,7 +207,8 @@ class Topology(ConfigSection):
 
     def with_model_path(self, path: Path) -> Topology:
         """This topology serving the checkpoint at ``path`` instead of its own (``--model``):
-        named after the directory, as clients will ask for it; dtype kept."""
+        named after the directory (a GGUF file: its stem, lowercased), as clients will ask for
+        it; dtype kept."""
         model = ModelSpec.model_validate({"path": path, "dtype": self.model.dtype})
         return self.model_copy(update={"model": model})
 
