@@ -25,6 +25,7 @@ from api.edge import error_response, internal_error
 from api.gate import Ticket
 from api.metrics import Metrics, RequestTiming, log_record
 from api.protocol import APIError
+from api.tools import ToolCallParser
 from api.translate import Job
 from cluster.coordinator import ClientRecord, Coordinator
 from cluster.retry import GiveUp, RetriesExhausted
@@ -86,6 +87,7 @@ class Choices:
                 prompt_tokens=job.prompt_tokens,
                 tokenizer=self.tokenizer,
                 report=job.report,
+                tool_calls=job.tool_calls,
             )
         else:
             body = responses.completion_response(
@@ -106,13 +108,18 @@ class Choices:
         deltas: AsyncIterator[tuple[int, TokenDelta]],
     ) -> AsyncIterator[bytes]:
         gathered: _Gathered = [None] * len(job.prompts)
+        parsers = [ToolCallParser() for _ in gathered] if job.tool_calls else None
         try:
             if job.chat:
                 for index in range(len(gathered)):
                     yield responses.sse(responses.chat_chunk(job.meta, index, role=True))
             rest = deltas if first is None else _chain(first, deltas)
             async for index, delta in rest:
-                for chunk in self.chunks(job, index, gathered[index], delta):
+                if parsers is not None:
+                    chunks = self.tool_chunks(job, index, parsers[index], delta)
+                else:
+                    chunks = self.chunks(job, index, gathered[index], delta)
+                for chunk in chunks:
                     yield responses.sse(chunk)
                 _absorb(gathered, index, delta)
             if job.include_usage:
@@ -137,6 +144,35 @@ class Choices:
         finally:
             ticket.release()
         yield responses.SSE_DONE
+
+    def tool_chunks(
+        self, job: Job, index: int, parser: ToolCallParser, delta: TokenDelta
+    ) -> list[dict[str, Any]]:
+        """The SSE objects for one delta of chat choice ``index`` whose text is read as
+        content and tool calls (``parser``: the choice's); a delta's logprobs go out with it,
+        in a chunk of their own where its text is held back."""
+        content, calls = parser.feed(delta.text)
+        if delta.finished:
+            more, last = parser.finish()
+            content, calls = content + more, [*calls, *last]
+        logprobs = None
+        if job.logprobs and delta.logprobs:
+            logprobs = responses.chat_logprobs(
+                self.tokenizer, delta.token_ids, delta.logprobs, as_ids=job.report.token_ids
+            )
+        out = []
+        if content or calls or logprobs is not None:
+            chunk = responses.chat_chunk(
+                job.meta, index, content=content or None, logprobs=logprobs, tool_calls=calls
+            )
+            out.append(chunk)
+        if delta.finished and delta.finish_reason is not None:
+            out.append(
+                responses.chat_chunk(
+                    job.meta, index, finish_reason=delta.finish_reason, called=bool(parser.calls)
+                )
+            )
+        return out
 
     def chunks(
         self, job: Job, index: int, before: TokenDelta | None, delta: TokenDelta

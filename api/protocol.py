@@ -8,7 +8,7 @@ whose ``param`` is the dotted path of the offending field, so the app has one er
 
 - **Unknown fields are rejected (400)**, not ignored as vLLM does: a misspelt ``temprature``
   silently sampling at T=1 is worse than a clear error. OpenAI fields this server does not
-  implement (``tools``, ``best_of``...) are unknown fields too.
+  implement (``best_of``, ``audio``...) are unknown fields too.
   The engine's extras (``top_k``, ``min_p``... what the openai client sends via ``extra_body``)
   are top-level fields.
 - **Types are strict**: ``"0.5"`` is not a number and ``true`` is not an integer.
@@ -33,6 +33,7 @@ from pydantic import (
 MAX_N = 16
 MAX_STOP = 4
 MAX_LOGPROBS = 20
+MAX_TOOLS = 128  # OpenAI's limit
 # The longest timeout a request may ask for (seconds): a deadline further away is as good as
 # none, and one past threading.TIMEOUT_MAX would overflow an engine's wait.
 MAX_TIMEOUT_S = 86_400.0
@@ -152,6 +153,7 @@ _CONTENT_SCHEMA = WithJsonSchema(
     {
         "anyOf": [
             {"type": "string"},
+            {"type": "null"},
             {
                 "type": "array",
                 "items": {
@@ -189,11 +191,31 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str = Field(description="the arguments, as the JSON text of an object")
+
+
+class ToolCall(_Strict):
+    """A call an assistant message made (what a response's ``message.tool_calls`` holds)."""
+
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "user", "assistant"]
-    # a list of text parts arrives joined with "\n" (vLLM's convention)
-    content: Annotated[str, _CONTENT_SCHEMA]
+    role: Literal["system", "user", "assistant", "tool"]
+    # a list of text parts arrives joined with "\n" (vLLM's convention); null only for an
+    # assistant message that made tool calls
+    content: Annotated[str | None, _CONTENT_SCHEMA] = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = Field(
+        default=None, description="an assistant message's calls (sent back with their results)"
+    )
+    tool_call_id: str | None = Field(
+        default=None, description="a tool message's: the id of the call it answers"
+    )
 
     @field_validator("content", mode="before")
     @classmethod
@@ -209,6 +231,41 @@ class ChatMessage(_Strict):
                 raise ValueError(f"part {i} must be exactly {{'type': 'text', 'text': <string>}}")
             texts.append(part["text"])
         return "\n".join(texts)
+
+    @model_validator(mode="after")
+    def _role_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise _CrossFieldError("tool_calls", "only an assistant message makes tool calls")
+        if (self.tool_call_id is None) != (self.role != "tool"):
+            raise _CrossFieldError("tool_call_id", "a tool message, and only one, names its call")
+        if self.content is None and not self.tool_calls:
+            raise _CrossFieldError("content", "required (null only beside tool_calls)")
+        return self
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(
+        default=None, description="the JSON Schema of the arguments object; none: no arguments"
+    )
+    strict: bool | None = Field(
+        default=None, description="accepted; required and named calls always match the schema"
+    )
+
+
+class ToolDefinition(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JSONSchemaFormat(_Strict):
@@ -450,12 +507,66 @@ class ChatCompletionRequest(_SamplingFields):
     )
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolDefinition] | None = Field(
+        default=None, min_length=1, max_length=MAX_TOOLS, description="functions the model may call"
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None,
+        description="auto (the default with tools): the model decides; required: at least one "
+        "call; a named function: a call of it; none (the default without): no call",
+    )
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="false: at most one call (true, the default: any number)"
+    )
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise _CrossFieldError("top_logprobs", "requires logprobs to be true")
         return self
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_kind(cls, value: Any) -> Any:
+        """One error for the member the value is meant as, not one per member tried."""
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("one of 'none', 'auto', 'required' or a named function")
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValidationError as exc:
+            err = exc.errors(include_url=False)[0]
+            where = ".".join(str(p) for p in err["loc"])
+            raise ValueError(f"a named function's {where or 'object'}: {err['msg']}") from None
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) < len(names):
+            raise _CrossFieldError("tools", "two tools have the same name")
+        choice = self.tool_choice
+        if choice not in (None, "none") and not names:
+            raise _CrossFieldError("tool_choice", "only allowed when tools are given")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise _CrossFieldError(
+                "tool_choice", f"names {choice.function.name!r}, which is not one of the tools"
+            )
+        forced = choice == "required" or isinstance(choice, NamedToolChoice)
+        formatted = self.structured_outputs is not None or not isinstance(
+            self.response_format, TextFormat | None
+        )
+        if forced and formatted:
+            raise _CrossFieldError(
+                "tool_choice", "a required or named tool call leaves no room for an output format"
+            )
+        return self
+
+    @property
+    def tool_mode(self) -> Literal["none", "auto", "required", "named"]:
+        """How the request uses its tools: not at all, as the model decides, or forced."""
+        choice = self.tool_choice or ("auto" if self.tools else "none")
+        return "named" if isinstance(choice, NamedToolChoice) else choice
 
 
 def parse_completion(body: bytes) -> CompletionRequest:

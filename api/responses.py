@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from api.protocol import APIError, PromptReport
+from api.tools import ToolCallDelta, ToolCalls
 from engine.outputs import TokenDelta, TokenLogprobs
 from engine.request import FinishReason
 from engine.tokenizer import Tokenizer, token_bytes, token_string
@@ -132,23 +133,42 @@ def chat_response(
     prompt_tokens: int,
     tokenizer: Tokenizer,
     report: PromptReport = _NO_REPORT,
+    tool_calls: bool = False,
 ) -> dict[str, Any]:
-    """The non-streaming ``chat.completion`` object (``choices`` as in completion_response)."""
+    """The non-streaming ``chat.completion`` object (``choices`` as in completion_response);
+    ``tool_calls``: each choice's text is parsed into content and calls (api/tools.py)."""
     return {
         **_head(meta, "chat.completion"),
         "choices": [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": c.text},
+                **_message(c, tool_calls),
                 "logprobs": None
                 if c.logprobs is None
                 else chat_logprobs(tokenizer, c.token_ids, c.logprobs, as_ids=report.token_ids),
-                "finish_reason": _finish(c),
             }
             for c in sorted(choices, key=lambda c: c.index)
         ],
         "usage": usage(prompt_tokens, sum(len(c.token_ids) for c in choices)),
     }
+
+
+def _message(choice: TokenDelta, tool_calls: bool) -> dict[str, Any]:
+    """A chat choice's ``message`` and ``finish_reason``: with calls, the content before them
+    (null when there is none) and ``tool_calls``."""
+    reason = choice.finish_reason or FinishReason.MAX_TOKENS
+    parsed = ToolCalls.of(choice.text) if tool_calls else None
+    message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+    if parsed is not None and parsed.calls:
+        message.update(content=parsed.content or None, tool_calls=parsed.calls)
+    called = "tool_calls" in message
+    return {"message": message, "finish_reason": chat_finish_reason(reason, called)}
+
+
+def chat_finish_reason(reason: FinishReason, called: bool) -> str:
+    """A chat choice's ``finish_reason``: ``tool_calls`` for one that made calls and stopped."""
+    finish = openai_finish_reason(reason)
+    return "tool_calls" if called and finish == "stop" else finish
 
 
 def _finish(choice: TokenDelta) -> str:
@@ -187,15 +207,20 @@ def chat_chunk(
     content: str | None = None,
     finish_reason: FinishReason | None = None,
     logprobs: dict[str, Any] | None = None,
+    tool_calls: Sequence[ToolCallDelta] = (),
+    called: bool = False,
 ) -> dict[str, Any]:
     """One ``chat.completion.chunk``. A choice's stream is: a first chunk with ``role=True``
-    (delta ``{"role": "assistant", "content": ""}``), content chunks, then a chunk with only
-    the ``finish_reason`` (the engine's) and an empty delta, as OpenAI sends it."""
+    (delta ``{"role": "assistant", "content": ""}``), chunks of content and of tool calls,
+    then a chunk with only the ``finish_reason`` (the engine's; ``called``: the choice made
+    calls) and an empty delta, as OpenAI sends it."""
     delta: dict[str, Any] = {}
     if role:
         delta = {"role": "assistant", "content": content or ""}
     elif content is not None:
         delta = {"content": content}
+    if tool_calls:
+        delta["tool_calls"] = [d.chunk() for d in tool_calls]
     return {
         **_head(meta, "chat.completion.chunk"),
         "choices": [
@@ -205,7 +230,7 @@ def chat_chunk(
                 "logprobs": logprobs,
                 "finish_reason": None
                 if finish_reason is None
-                else openai_finish_reason(finish_reason),
+                else chat_finish_reason(finish_reason, called),
             }
         ],
     }

@@ -33,6 +33,7 @@ from api.protocol import (
     CompletionRequest,
     JSONObjectFormat,
     JSONSchemaResponseFormat,
+    NamedToolChoice,
     PromptReport,
     bad_request,
     check_content_type,
@@ -40,6 +41,7 @@ from api.protocol import (
     parse_completion,
 )
 from api.responses import ResponseMeta
+from api.tools import tool_call_grammar
 from engine.sampling_params import Constraint, InvalidSamplingParams, SamplingParams
 from engine.structured import InvalidConstraint, compile_grammar
 from engine.tokenizer import Tokenizer
@@ -76,6 +78,7 @@ class Job:
     report: PromptReport = _NO_REPORT
     prompt_texts: list[str] = field(default_factory=list)  # one per choice, with echo
     score_only: bool = False  # max_tokens 0 (echo): drop the one token the engine samples
+    tool_calls: bool = False  # chat with tools: the text is parsed into tool calls
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ class Translator:
             report=report,
             prompt_texts=[t for t in texts for _ in range(req.n)],
             score_only=report.echo and req.max_tokens == 0,
+            tool_calls=kind == "chat" and req.tool_mode != "none",
         )
 
     def _base_params(
@@ -291,6 +295,10 @@ def constraint_of(req: CompletionRequest | ChatCompletionRequest) -> Constraint 
     """The grammar ``response_format`` or ``structured_outputs`` asks the output to match,
     checked here, so a schema, regex or grammar the engine cannot use is a 400 naming it
     (docs/design.md#structured-outputs)."""
+    if isinstance(req, ChatCompletionRequest) and req.tools:
+        tools = tool_constraint(req)
+        if tools is not None:
+            return tools
     fmt, so = req.response_format, req.structured_outputs
     if isinstance(fmt, JSONObjectFormat):
         return Constraint.json_object()  # always valid
@@ -315,6 +323,37 @@ def constraint_of(req: CompletionRequest | ChatCompletionRequest) -> Constraint 
     except InvalidConstraint as exc:
         raise bad_request(field, str(exc)) from None
     return constraint
+
+
+def tool_constraint(req: ChatCompletionRequest) -> Constraint | None:
+    """The grammar of a ``required`` or named tool choice, or of ``auto`` with a ``strict``
+    tool (None for ``none``, and ``auto`` without), after checking every tool's ``parameters``
+    schema: one the grammar engine cannot use is a 400 naming it
+    (docs/design.md#tool-calling)."""
+    tools = req.tools or []
+    functions = [t.function.model_dump(exclude_none=True) for t in tools]
+    for i, f in enumerate(functions):
+        if "parameters" in f:
+            try:
+                compile_grammar(Constraint("json_schema", json.dumps(f["parameters"])))
+            except InvalidConstraint as exc:
+                raise bad_request(f"tools.{i}.function.parameters", str(exc)) from None
+    parallel = req.parallel_tool_calls is not False
+    mode = req.tool_mode
+    if mode == "named":
+        assert isinstance(req.tool_choice, NamedToolChoice)
+        named = [f for f in functions if f["name"] == req.tool_choice.function.name]
+        return tool_call_grammar(named, parallel)
+    if mode == "required":
+        return tool_call_grammar(functions, parallel)
+    if mode == "auto" and any(t.function.strict for t in tools):
+        # OpenAI's strict: a strict function's calls match its schema; the others' any object
+        held = [
+            f if t.function.strict else f | {"parameters": None}
+            for t, f in zip(tools, functions, strict=True)
+        ]
+        return tool_call_grammar(held, parallel, forced=False)
+    return None
 
 
 def choice_params(params: SamplingParams, choice: int) -> SamplingParams:
@@ -351,13 +390,27 @@ def echo_texts(
 
 def chat_prompt(req: ChatCompletionRequest, tokenizer: Tokenizer) -> list[int]:
     """Token ids of the conversation through the model's chat template, ending with the
-    assistant's turn opened (``add_generation_prompt``).
+    assistant's turn opened (``add_generation_prompt``), the tools offered unless
+    ``tool_choice`` is ``none``.
 
     Raises: APIError(400, param "messages") if the template refuses the conversation (or the
     model has no template)."""
     messages = [m.model_dump(exclude_none=True) for m in req.messages]
+    for i, message in enumerate(messages):  # a template reads arguments as JSON, not text
+        if "tool_calls" in message:
+            message.setdefault("content", None)
+        for j, call in enumerate(message.get("tool_calls", ())):
+            function = call["function"]
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except json.JSONDecodeError as exc:
+                param = f"messages.{i}.tool_calls.{j}.function.arguments"
+                raise bad_request(param, f"{param!r} is not JSON: {exc}") from None
+    tools = None
+    if req.tools and req.tool_mode != "none":
+        tools = [t.model_dump(exclude_none=True) for t in req.tools]
     try:
-        ids = tokenizer.encode_chat(messages, add_generation_prompt=True)
+        ids = tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools)
     except ValueError as exc:
         raise bad_request("messages", str(exc)) from None
     _check_vocab(ids, tokenizer.vocab_size, "messages")

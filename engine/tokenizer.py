@@ -20,6 +20,8 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.chat_templates import tools_template
+
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
@@ -60,7 +62,7 @@ class Tokenizer:
         )
         self.eos_token_ids: frozenset[int] = frozenset(self._eos_ids(generation))
         self.chat_template: str | None = _chat_template(root, config)
-        self._compiled: jinja2.Template | None = None
+        self._templates: dict[str, jinja2.Template] = {}  # compiled, by text
 
     def _eos_ids(self, generation: Mapping[str, Any]) -> Iterable[int]:
         gen_eos = generation.get("eos_token_id")
@@ -92,34 +94,54 @@ class Tokenizer:
         return self._tok.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) as prompt text.
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) as prompt text, with
+        the function objects ``tools`` offered to the model when given (the checkpoint's
+        template if it renders tools, else Tandem's for its family: engine/chat_templates.py).
 
-        Raises: ValueError if there is no template, messages are malformed, or rendering fails
-        (including the template's own ``raise_exception``)."""
+        Raises: ValueError if there is no template (none for tools), messages are malformed,
+        or rendering fails (including the template's own ``raise_exception``)."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat_template")
+        template = self.chat_template
+        extra: dict[str, Any] = {}
+        if tools:
+            with_tools = tools_template(template)
+            if with_tools is None:
+                raise ValueError("this model's chat template cannot render tools")
+            template = with_tools
+            extra["tools"] = [dict(t) for t in tools]
         if isinstance(messages, str | bytes) or not all(
             isinstance(m, Mapping) and "role" in m for m in messages
         ):
             raise ValueError("messages must be a list of mappings, each with a 'role'")
         try:
-            if self._compiled is None:
-                self._compiled = _jinja_env().from_string(self.chat_template)
-            return self._compiled.render(
+            return self._compiled(template).render(
                 messages=[dict(m) for m in messages],
                 add_generation_prompt=add_generation_prompt,
+                **extra,
                 **{k: v or "" for k, v in self._special_strings.items()},
             )
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template failed: {exc}") from exc
 
+    def _compiled(self, template: str) -> jinja2.Template:
+        if template not in self._templates:
+            self._templates[template] = _jinja_env().from_string(template)
+        return self._templates[template]
+
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of the rendered chat; adds BOS unless the template already wrote it."""
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         bos = self._special_strings["bos_token"]
         return self.encode(text, add_special_tokens=not (bos and text.startswith(bos)))
 

@@ -123,7 +123,8 @@ def test_completion_fields_out_of_range(fields: dict[str, Any], param: str) -> N
     [
         ({"messages": []}, "messages"),
         ({"messages": "hi"}, "messages"),
-        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "function", "content": "x"}]}, "messages.0.role"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
         ({"messages": [MSGS[0], {"content": "x"}]}, "messages.1.role"),
         ({"messages": [{"role": "user"}]}, "messages.0.content"),
         ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),

@@ -2,7 +2,8 @@
 (SmolLM2-135M-Instruct, bf16) with the official ``openai`` client: ``chat.completions.parse``
 with a pydantic model, vLLM's ``structured_outputs`` (regex, choice, grammar), bad schemas as
 400s naming the field -- and, across a decode worker killed mid-JSON and a prefill worker
-killed mid-transfer, the same tokens and logprobs as the fault-free run: the prefill worker
+killed mid-transfer, the same tokens and logprobs as the fault-free run, for a JSON-schema
+request and a ``required`` tool call (docs/design.md#tool-calling) alike: the prefill worker
 masks the first token, and the worker that continues replays the grammar from the tokens
 already out."""
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -176,31 +177,61 @@ def moves(url: str) -> float:
     return sum(sum(probe.metric(url, name)) for name in names)
 
 
-def person(client: openai.OpenAI) -> tuple[list[int], list[Any], str]:
+Reply = tuple[list[int], list[Any], str]
+
+
+def person(client: openai.OpenAI) -> Reply:
     """A seeded, sampled JSON-schema request: its token ids (``token_id:N`` logprob names),
     its logprobs (each with its top 3) and its text."""
-    reply = client.chat.completions.create(
+    reply = sampled(
+        client,
+        ask("Describe a person as JSON."),
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": Person.model_json_schema()},
+        },
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and choice.message.content is not None
+    Person.model_validate(json.loads(choice.message.content))
+    return (*tokens(reply), choice.message.content)
+
+
+def tool_call(client: openai.OpenAI) -> Reply:
+    """A seeded, sampled ``required`` tool call: as ``person``, its arguments as its text."""
+    tool = {"name": "describe", "parameters": Person.model_json_schema()}
+    reply = sampled(
+        client,
+        ask("Describe a person."),
+        tools=[{"type": "function", "function": tool}],
+        tool_choice="required",
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    arguments = choice.message.tool_calls[0].function.arguments
+    Person.model_validate(json.loads(arguments))
+    return (*tokens(reply), arguments)
+
+
+def sampled(client: openai.OpenAI, messages: Any, **kw: Any) -> Any:
+    return client.chat.completions.create(
         model=MODEL,
-        messages=ask("Describe a person as JSON."),
+        messages=messages,
         temperature=1.0,
         seed=21,
         max_tokens=96,
         logprobs=True,
         top_logprobs=3,
-        response_format={
-            "type": "json_schema",
-            "json_schema": {"name": "person", "schema": Person.model_json_schema()},
-        },
         extra_body={"return_tokens_as_token_ids": True},
+        **kw,
     )
-    choice = reply.choices[0]
-    assert choice.finish_reason == "stop" and choice.logprobs and choice.logprobs.content
-    content = choice.logprobs.content
+
+
+def tokens(reply: Any) -> tuple[list[int], list[Any]]:
+    """A reply's token ids (``token_id:N`` logprob names) and logprobs (each with its top 3)."""
+    content = reply.choices[0].logprobs.content
     ids = [int(t.token.removeprefix("token_id:")) for t in content]
-    logprobs = [(t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in content]
-    assert choice.message.content is not None
-    Person.model_validate(json.loads(choice.message.content))
-    return ids, logprobs, choice.message.content
+    return ids, [(t.logprob, [(a.token, a.logprob) for a in t.top_logprobs]) for t in content]
 
 
 @pytest.mark.parametrize(
@@ -217,18 +248,22 @@ def person(client: openai.OpenAI) -> tuple[list[int], list[Any], str]:
     ],
     ids=["decode-killed-mid-json", "prefill-killed-mid-transfer"],
 )
+@pytest.mark.parametrize("request_of", [person, tool_call], ids=["json-schema", "tool-call"])
 def test_a_constrained_request_survives_a_worker_killed_exactly(
-    client: openai.OpenAI, workers: tuple[str, ...], fault: Fault
+    client: openai.OpenAI,
+    workers: tuple[str, ...],
+    fault: Fault,
+    request_of: Callable[[openai.OpenAI], Reply],
 ) -> None:
     """The fault-free run, then the same request with the worker that serves it killed (the
     stream moved once: a migration, or a retry before the first token): the same token ids,
     logprobs (top 3 included) and text, bit for bit; the JSON still valid."""
     url = str(client.base_url).removesuffix("/v1/")
-    want = person(client)
+    want = request_of(client)
     before = moves(url)
     faults_on(workers, fault)
     try:
-        got = person(client)
+        got = request_of(client)
     finally:
         clear_faults()
     assert moves(url) == before + 1
