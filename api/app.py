@@ -49,10 +49,10 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from api import responses
 from api.choices import Choices
 from api.edge import error_response, internal_error
+from api.errors import APIError
 from api.gate import IngressGate, Rejected, Ticket
 from api.metrics import Metrics, RequestTiming
 from api.operator_plane import OperatorPlane
-from api.protocol import APIError
 from api.translate import Kind, Translator, new_request_id
 from cluster.coordinator import Coordinator
 from contracts.actors import RouterClient, WorkerClient

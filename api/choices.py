@@ -22,9 +22,9 @@ from fastapi.responses import JSONResponse
 
 from api import responses
 from api.edge import error_response, internal_error
+from api.errors import APIError
 from api.gate import Ticket
 from api.metrics import Metrics, RequestTiming, log_record
-from api.protocol import APIError
 from api.tools import ToolCallParser
 from api.translate import Job
 from cluster.coordinator import ClientRecord, Coordinator

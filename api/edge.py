@@ -24,7 +24,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
-from api.protocol import JSON_MEDIA_TYPE, APIError, ErrorResponse
+from api.errors import APIError, ErrorResponse
+from api.protocol import JSON_MEDIA_TYPE
 
 logger = logging.getLogger("tandem.api")
 _SCHEMA_REF = "#/components/schemas/{model}"

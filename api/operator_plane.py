@@ -17,8 +17,8 @@ from fastapi import Response
 from fastapi.responses import JSONResponse
 from ray.exceptions import ActorUnavailableError, RayActorError
 
+from api.errors import APIError
 from api.metrics import Metrics
-from api.protocol import APIError
 from cluster.coordinator import Coordinator
 from contracts.actors import RouterClient, WorkerClient
 from contracts.roles import Role

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from api.protocol import APIError, PromptReport
+from api.errors import APIError
+from api.protocol import PromptReport
 from api.tools import ToolCallDelta, ToolCalls
 from engine.outputs import TokenDelta, TokenLogprobs
 from engine.request import FinishReason

@@ -26,16 +26,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from api.errors import APIError, bad_request
 from api.protocol import (
     MAX_TIMEOUT_S,
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     JSONObjectFormat,
     JSONSchemaResponseFormat,
     NamedToolChoice,
     PromptReport,
-    bad_request,
     check_content_type,
     parse_chat,
     parse_completion,

@@ -21,12 +21,11 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from starlette.testclient import TestClient
 
+from api.errors import APIError, ErrorResponse
 from api.gate import GateConfig
 from api.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorResponse,
     check_content_type,
     parse_chat,
     parse_completion,

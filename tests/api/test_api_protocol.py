@@ -9,11 +9,8 @@ from typing import Any
 import pytest
 from helpers import MSGS, chat_body, completion_body
 
-from api.protocol import (
-    APIError,
-    parse_chat,
-    parse_completion,
-)
+from api.errors import APIError
+from api.protocol import parse_chat, parse_completion
 
 # -- validation: every field's range, status 400 with the field named ----------------------------
 

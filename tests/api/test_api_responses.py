@@ -17,15 +17,10 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from api.choices import Choices, _no_tokens
+from api.errors import APIError
 from api.gate import GateConfig
 from api.metrics import Metrics
-from api.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    PromptReport,
-    parse_chat,
-    parse_completion,
-)
+from api.protocol import ChatCompletionRequest, PromptReport, parse_chat, parse_completion
 from api.responses import (
     SSE_DONE,
     Prompt,

@@ -17,14 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api import translate
+from api.errors import APIError
 from api.gate import GateConfig
-from api.protocol import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    parse_chat,
-    parse_completion,
-)
+from api.protocol import ChatCompletionRequest, CompletionRequest, parse_chat, parse_completion
 from api.translate import (
     Translator,
     chat_prompt,

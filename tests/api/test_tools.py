@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.protocol import APIError, parse_chat
+from api.errors import APIError
+from api.protocol import parse_chat
 from api.tools import CALL_BEGIN, ToolCallParser, ToolCalls, tool_call_grammar
 from api.translate import chat_prompt, constraint_of
 from engine.chat_templates import CHATML_TOOLS, tools_template

@@ -22,7 +22,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.core import NOT_SET
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from api.protocol import ErrorResponse
+from api.errors import ErrorResponse
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-llama"
