@@ -40,13 +40,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from api import responses
+from api import responses, tokenize
 from api.choices import Choices
 from api.edge import error_response, internal_error
 from api.errors import APIError
@@ -99,6 +99,23 @@ class Service:
 
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, "chat")
+
+    async def responses(self, request: Request) -> Response:
+        return await self._handle(request, "responses")
+
+    async def tokenize(self, request: Request) -> Response:
+        t = self.translator
+        return _json_or_error(
+            lambda body: tokenize.tokenize(body, t.tokenizer, t.model_name, t.max_model_len),
+            await request.body(),
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        t = self.translator
+        return _json_or_error(
+            lambda body: tokenize.detokenize(body, t.tokenizer, t.model_name),
+            await request.body(),
+        )
 
     def models(self) -> Response:
         return JSONResponse(responses.models_response([self.model_name]))
@@ -190,6 +207,14 @@ class Service:
             queue_time_s=None,
         )
         self.metrics.observe_request(timing)
+
+
+def _json_or_error(answer: Callable[[bytes], dict[str, Any]], body: bytes) -> Response:
+    """``answer(body)`` as JSON, or the error object of the APIError it raises."""
+    try:
+        return JSONResponse(answer(body))
+    except APIError as exc:
+        return error_response(exc)
 
 
 class _ClientLeft(Exception):

@@ -25,6 +25,7 @@ from api.edge import error_response, internal_error
 from api.errors import APIError
 from api.gate import Ticket
 from api.metrics import Metrics, RequestTiming, log_record
+from api.responses_api import ResponseEvents, error_event, event_sse
 from api.tools import ToolCallParser
 from api.translate import Job
 from cluster.coordinator import ClientRecord, Coordinator
@@ -80,6 +81,12 @@ class Choices:
             replace(d, index=i, logprobs=(d.logprobs or []) if job.logprobs else None)
             for i, d in enumerate(g or TokenDelta(job.meta.id, []) for g in gathered)
         ]
+        if job.responses is not None:  # one choice: the response is its events' last
+            events = _response_events(job)
+            events.feed(done[0].text)
+            reason = done[0].finish_reason or FinishReason.MAX_TOKENS
+            last = events.finish(reason, job.prompt_tokens, len(done[0].token_ids))
+            return JSONResponse(last[-1]["response"])
         if job.chat:
             body = responses.chat_response(
                 job.meta,
@@ -100,13 +107,57 @@ class Choices:
             )
         return JSONResponse(body)
 
-    async def stream(
+    def stream(
         self,
         job: Job,
         ticket: Ticket,
         first: tuple[int, TokenDelta] | None,
         deltas: AsyncIterator[tuple[int, TokenDelta]],
     ) -> AsyncIterator[bytes]:
+        """The job's answer as server-sent events; ``ticket`` released once it ends."""
+        if job.responses is not None:
+            return self.response_stream(job, ticket, first, deltas)
+        return self.chunk_stream(job, ticket, first, deltas)
+
+    async def response_stream(
+        self,
+        job: Job,
+        ticket: Ticket,
+        first: tuple[int, TokenDelta] | None,
+        deltas: AsyncIterator[tuple[int, TokenDelta]],
+    ) -> AsyncIterator[bytes]:
+        """A /v1/responses stream: its typed events (api/responses_api.py), an ``error`` event
+        for a failure after the first token."""
+        events = _response_events(job)
+        sent = 0
+        try:
+            for event in events.start():
+                yield event_sse(event)
+            rest = deltas if first is None else _chain(first, deltas)
+            async for _, delta in rest:
+                sent += len(delta.token_ids)
+                out = events.feed(delta.text)
+                if delta.finished:
+                    reason = delta.finish_reason or FinishReason.MAX_TOKENS
+                    out += events.finish(reason, job.prompt_tokens, sent)
+                for event in out:
+                    yield event_sse(event)
+        except Exception as exc:  # headers are sent: the error travels as an event
+            error = exc if isinstance(exc, APIError) else internal_error(exc, job.meta.id)
+            self.metrics.observe_stream_error(error.code or "internal")
+            logger.warning("%s: stream ended after %d token(s): %s", job.meta.id, sent, error)
+            yield event_sse(error_event(error, events.sequence))
+        finally:
+            ticket.release()
+
+    async def chunk_stream(
+        self,
+        job: Job,
+        ticket: Ticket,
+        first: tuple[int, TokenDelta] | None,
+        deltas: AsyncIterator[tuple[int, TokenDelta]],
+    ) -> AsyncIterator[bytes]:
+        """A chat or completions stream: SSE chunks, ``data: [DONE]`` last."""
         gathered: _Gathered = [None] * len(job.prompts)
         parsers = [ToolCallParser() for _ in gathered] if job.tool_calls else None
         try:
@@ -304,6 +355,11 @@ class _Timing:
         )
         self.metrics.observe_request(timing)
         log_record(timing)
+
+
+def _response_events(job: Job) -> ResponseEvents:
+    assert job.responses is not None
+    return ResponseEvents(job.responses, job.meta.id, job.meta.created, job.tool_calls)
 
 
 def _prompt(job: Job, index: int, logprobs: list[TokenLogprobs | None] | None) -> responses.Prompt:

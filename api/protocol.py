@@ -42,7 +42,7 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 JSON_MEDIA_TYPE = "application/json"
 
 
-class _CrossFieldError(ValueError):
+class CrossFieldError(ValueError):
     """A model-level check failed; pydantic reports it without a field, so it carries one."""
 
     def __init__(self, field: str, message: str) -> None:
@@ -53,7 +53,9 @@ class _CrossFieldError(ValueError):
 # -- requests -------------------------------------------------------------------------------------
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A request body's model: unknown fields refused, types strict, no NaN, immutable."""
+
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, frozen=True)
 
 
@@ -120,16 +122,16 @@ class PromptReport:
         return max((k for k in wanted if k is not None), default=None)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class FunctionCall(_Strict):
+class FunctionCall(StrictModel):
     name: str
     arguments: str = Field(description="the arguments, as the JSON text of an object")
 
 
-class ToolCall(_Strict):
+class ToolCall(StrictModel):
     """A call an assistant message made (what a response's ``message.tool_calls`` holds)."""
 
     id: str
@@ -137,7 +139,7 @@ class ToolCall(_Strict):
     function: FunctionCall
 
 
-class ChatMessage(_Strict):
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool"]
     # a list of text parts arrives joined with "\n" (vLLM's convention); null only for an
     # assistant message that made tool calls
@@ -168,15 +170,15 @@ class ChatMessage(_Strict):
     @model_validator(mode="after")
     def _role_fields(self) -> ChatMessage:
         if self.tool_calls is not None and self.role != "assistant":
-            raise _CrossFieldError("tool_calls", "only an assistant message makes tool calls")
+            raise CrossFieldError("tool_calls", "only an assistant message makes tool calls")
         if (self.tool_call_id is None) != (self.role != "tool"):
-            raise _CrossFieldError("tool_call_id", "a tool message, and only one, names its call")
+            raise CrossFieldError("tool_call_id", "a tool message, and only one, names its call")
         if self.content is None and not self.tool_calls:
-            raise _CrossFieldError("content", "required (null only beside tool_calls)")
+            raise CrossFieldError("content", "required (null only beside tool_calls)")
         return self
 
 
-class FunctionDefinition(_Strict):
+class FunctionDefinition(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(
@@ -187,21 +189,21 @@ class FunctionDefinition(_Strict):
     )
 
 
-class ToolDefinition(_Strict):
+class ToolDefinition(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class FunctionName(_Strict):
+class FunctionName(StrictModel):
     name: str
 
 
-class NamedToolChoice(_Strict):
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: FunctionName
 
 
-class JSONSchemaFormat(_Strict):
+class JSONSchemaFormat(StrictModel):
     """``response_format.json_schema``: OpenAI's named schema."""
 
     model_config = ConfigDict(populate_by_name=True)
@@ -213,15 +215,15 @@ class JSONSchemaFormat(_Strict):
     )
 
 
-class TextFormat(_Strict):
+class TextFormat(StrictModel):
     type: Literal["text"]
 
 
-class JSONObjectFormat(_Strict):
+class JSONObjectFormat(StrictModel):
     type: Literal["json_object"]
 
 
-class JSONSchemaResponseFormat(_Strict):
+class JSONSchemaResponseFormat(StrictModel):
     type: Literal["json_schema"]
     json_schema: JSONSchemaFormat
 
@@ -232,7 +234,7 @@ ResponseFormat = Annotated[
 ]
 
 
-class StructuredOutputs(_Strict):
+class StructuredOutputs(StrictModel):
     """vLLM's ``structured_outputs`` (an extra body field): exactly one of a JSON schema, a
     regex, a choice of strings, or a Lark / GBNF grammar."""
 
@@ -263,7 +265,7 @@ class StructuredOutputs(_Strict):
         return self
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StrictModel):
     """The fields both endpoints share: OpenAI's, then the engine's extras."""
 
     model: str
@@ -346,7 +348,7 @@ class _SamplingFields(_Strict):
     def _one_output_format(self) -> _SamplingFields:
         if self.structured_outputs is not None and self.response_format is not None:
             if not isinstance(self.response_format, TextFormat):
-                raise _CrossFieldError(
+                raise CrossFieldError(
                     "structured_outputs", "give response_format or structured_outputs, not both"
                 )
         return self
@@ -354,7 +356,7 @@ class _SamplingFields(_Strict):
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
-            raise _CrossFieldError("stream_options", "only allowed when stream is true")
+            raise CrossFieldError("stream_options", "only allowed when stream is true")
         return self
 
     @property
@@ -390,7 +392,7 @@ class CompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _no_tokens_only_with_echo(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
-            raise _CrossFieldError(
+            raise CrossFieldError(
                 "max_tokens", "must be >= 1 (0 only with echo: the prompt scored alone)"
             )
         return self
@@ -455,7 +457,7 @@ class ChatCompletionRequest(_SamplingFields):
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise _CrossFieldError("top_logprobs", "requires logprobs to be true")
+            raise CrossFieldError("top_logprobs", "requires logprobs to be true")
         return self
 
     @field_validator("tool_choice", mode="before")
@@ -477,12 +479,12 @@ class ChatCompletionRequest(_SamplingFields):
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
         names = [t.function.name for t in self.tools or ()]
         if len(set(names)) < len(names):
-            raise _CrossFieldError("tools", "two tools have the same name")
+            raise CrossFieldError("tools", "two tools have the same name")
         choice = self.tool_choice
         if choice not in (None, "none") and not names:
-            raise _CrossFieldError("tool_choice", "only allowed when tools are given")
+            raise CrossFieldError("tool_choice", "only allowed when tools are given")
         if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise _CrossFieldError(
+            raise CrossFieldError(
                 "tool_choice", f"names {choice.function.name!r}, which is not one of the tools"
             )
         forced = choice == "required" or isinstance(choice, NamedToolChoice)
@@ -490,7 +492,7 @@ class ChatCompletionRequest(_SamplingFields):
             self.response_format, TextFormat | None
         )
         if forced and formatted:
-            raise _CrossFieldError(
+            raise CrossFieldError(
                 "tool_choice", "a required or named tool call leaves no room for an output format"
             )
         return self
@@ -504,18 +506,19 @@ class ChatCompletionRequest(_SamplingFields):
 
 def parse_completion(body: bytes) -> CompletionRequest:
     """Raises: APIError(400) naming the field for anything the model rejects."""
-    return _parse(CompletionRequest, body)
+    return parse_body(CompletionRequest, body)
 
 
 def parse_chat(body: bytes) -> ChatCompletionRequest:
     """Raises: APIError(400) naming the field for anything the model rejects."""
-    return _parse(ChatCompletionRequest, body)
+    return parse_body(ChatCompletionRequest, body)
 
 
 _M = TypeVar("_M", bound=BaseModel)
 
 
-def _parse(model: type[_M], body: bytes) -> _M:
+def parse_body(model: type[_M], body: bytes) -> _M:
+    """``body`` parsed into ``model``. Raises: APIError(400) naming the field."""
     if not body.strip():
         raise APIError(400, "the body is empty: expected a JSON object")
     try:
@@ -538,7 +541,7 @@ def _api_error(exc: ValidationError) -> APIError:
     if kind == "missing":
         return bad_request(param, f"{param!r} is required")
     cause = err.get("ctx", {}).get("error")
-    if isinstance(cause, _CrossFieldError):  # its field, under the section that raised it
+    if isinstance(cause, CrossFieldError):  # its field, under the section that raised it
         field = ".".join([*(str(p) for p in err["loc"]), cause.field])
         return bad_request(field, f"{field!r}: {msg}")
     value = _short(err.get("input"))

@@ -40,6 +40,7 @@ from api.protocol import (
     parse_completion,
 )
 from api.responses import ResponseMeta
+from api.responses_api import ResponsesRequest, chat_request, new_response_id, parse_responses
 from api.tools import tool_call_grammar
 from engine.sampling_params import Constraint, InvalidSamplingParams, SamplingParams
 from engine.structured import InvalidConstraint, compile_grammar
@@ -47,12 +48,15 @@ from engine.tokenizer import Tokenizer
 
 # A client may ask for a shorter timeout than the topology's deadline (seconds, a float).
 TIMEOUT_HEADER = "X-Request-Timeout"
-Kind = Literal["completion", "chat"]
+Kind = Literal["completion", "chat", "responses"]
 _NO_REPORT = PromptReport()  # chat, and completions that ask for nothing of their prompt
 
 
 def new_request_id(kind: Kind) -> str:
-    """A response's ``id`` (``cmpl-...`` / ``chatcmpl-...``), which its log lines carry too."""
+    """A response's ``id`` (``cmpl-...`` / ``chatcmpl-...`` / ``resp_...``), which its log
+    lines carry too."""
+    if kind == "responses":
+        return new_response_id()
     prefix = "chatcmpl" if kind == "chat" else "cmpl"
     return f"{prefix}-{uuid.uuid4().hex}"
 
@@ -78,6 +82,7 @@ class Job:
     prompt_texts: list[str] = field(default_factory=list)  # one per choice, with echo
     score_only: bool = False  # max_tokens 0 (echo): drop the one token the engine samples
     tool_calls: bool = False  # chat with tools: the text is parsed into tool calls
+    responses: ResponsesRequest | None = None  # /v1/responses: the request as the client sent it
 
 
 @dataclass(frozen=True)
@@ -103,8 +108,9 @@ class Translator:
         """Raises: APIError (4xx) naming the field, header or limit that refuses the request."""
         check_content_type(headers.get("content-type"))
         report, texts = _NO_REPORT, []
-        if kind == "chat":
-            req: Any = parse_chat(body)
+        responses = parse_responses(body) if kind == "responses" else None
+        if kind != "completion":
+            req: Any = parse_chat(body) if responses is None else chat_request(responses)
             check_model(req.model, [self.model_name])
             check_choices(1, req.n, self.max_choices)
             prompts = [chat_prompt(req, self.tokenizer)]
@@ -126,7 +132,7 @@ class Translator:
                 params.append(choice_params(base, i))
         return Job(
             meta=ResponseMeta(request_id, req.model, int(arrival), seed=base.seed),
-            chat=kind == "chat",
+            chat=kind != "completion",
             prompts=choice_prompts,
             params=params,
             prompt_tokens=sum(len(p) for p in prompts),
@@ -140,7 +146,8 @@ class Translator:
             report=report,
             prompt_texts=[t for t in texts for _ in range(req.n)],
             score_only=report.echo and req.max_tokens == 0,
-            tool_calls=kind == "chat" and req.tool_mode != "none",
+            tool_calls=kind != "completion" and req.tool_mode != "none",
+            responses=responses,
         )
 
     def _base_params(

@@ -28,6 +28,8 @@ from api.edge import GENERATION_RESPONSES, OpenAIApp
 from api.gate import IngressGate
 from api.metrics import Metrics
 from api.protocol import ChatCompletionRequest, CompletionRequest
+from api.responses_api import ResponsesRequest
+from api.tokenize import DetokenizeRequest, TokenizeRequest
 from contracts.roles import Role
 from engine.tokenizer import Tokenizer
 from tandem.launch import Cluster, model_dir_of, start_cluster
@@ -139,6 +141,22 @@ class Ingress:
     )
     async def chat_completions(self, request: Request) -> Response:
         return await self.service.chat_completions(request)
+
+    @app.post(
+        "/v1/responses",
+        openapi_extra=app.json_body(ResponsesRequest),
+        responses=GENERATION_RESPONSES,
+    )
+    async def responses(self, request: Request) -> Response:
+        return await self.service.responses(request)
+
+    @app.post("/tokenize", openapi_extra=app.json_body(TokenizeRequest))
+    async def tokenize(self, request: Request) -> Response:
+        return await self.service.tokenize(request)
+
+    @app.post("/detokenize", openapi_extra=app.json_body(DetokenizeRequest))
+    async def detokenize(self, request: Request) -> Response:
+        return await self.service.detokenize(request)
 
     @app.get("/v1/models")
     async def models(self) -> Response:
