@@ -31,7 +31,7 @@ from engine.logits_processors import TokenHistory, needs_processing, process_log
 from engine.outputs import SamplingSnapshot, TokenLogprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.structured import Grammars, GrammarState
+from engine.structured import Grammars, GrammarState, allowed_tokens
 
 # Cumulative mass within this of the target counts as reaching it, so that float rounding of an
 # exact boundary (0.3 + 0.33 vs typical_p = 0.63) cannot pull in one more token.
@@ -278,12 +278,20 @@ class Sampler:
 
 def _apply_grammars(logits: Tensor, states: Sequence[SamplingState]) -> None:
     """Mask, in place, every token of float32 ``logits`` [B, V] that row i's grammar does not
-    allow next, its matcher first caught up with the row's output (rows without one: as is)."""
+    allow next, its matcher first caught up with the row's output (rows without one: as is).
+    The masks of all rows are computed together (``allowed_tokens``) and applied at once."""
+    rows, grammars = [], []
     for row, state in enumerate(states):
         if state.grammar is not None:
             state.grammar.sync(state.history.output)
-            allowed = torch.from_numpy(state.grammar.allowed(logits.shape[1]))
-            logits[row].masked_fill_(~allowed.to(logits.device), float("-inf"))
+            rows.append(row)
+            grammars.append(state.grammar)
+    banned = ~torch.from_numpy(allowed_tokens(grammars, logits.shape[1])).to(logits.device)
+    if len(rows) == len(states):
+        logits.masked_fill_(banned, float("-inf"))
+    else:
+        index = torch.tensor(rows, device=logits.device)
+        logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
 
 def _argmax(logits: Tensor) -> Tensor:

@@ -89,5 +89,22 @@ class GrammarState:
 
     def allowed(self, vocab_size: int) -> NDArray[np.bool_]:
         """The tokens that may come next, as a bool row of ``vocab_size``."""
-        packed = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
-        return np.unpackbits(packed, bitorder="little")[:vocab_size].astype(bool)
+        return allowed_tokens([self], vocab_size)[0]
+
+
+def allowed_tokens(states: Sequence[GrammarState], vocab_size: int) -> NDArray[np.bool_]:
+    """Row i: the tokens ``states[i]`` allows next, as bools [len(states), vocab_size]. The
+    masks are computed together by llguidance's thread pool (the GIL released), one bit per
+    token, then unpacked at once."""
+    words = (vocab_size + 31) // 32
+    bitmask = np.zeros((len(states), words), dtype=np.int32)
+    rows = [(state.matcher, i) for i, state in enumerate(states)]
+    _executor().unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, words * 4, len(states))
+    bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
+    return bits[:, :vocab_size].view(np.bool_)
+
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor:
+    """llguidance's mask thread pool, one per process (made at the first mask)."""
+    return llguidance.LLExecutor()
