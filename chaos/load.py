@@ -24,7 +24,8 @@ from typing import Any
 
 import openai
 
-from chaos.plan import Load
+from chaos.plan import Load, Structured
+from chaos.structured import structured_outputs
 
 # Prompts are made of these, so they tokenize like English text.
 TOP_LOGPROBS = 5  # the alternatives every chaos request asks for, all compared with the reference
@@ -53,6 +54,7 @@ class Planned:
     api_key: str = "none"
     stream: bool = True
     cancel_after: int | None = None  # the client hangs up after this many tokens
+    structured: Structured | None = None  # the grammar its output is held to (chaos.structured)
 
 
 @dataclass
@@ -115,7 +117,7 @@ def schedule(load: Load) -> list[Planned]:
             text = f"{rng.choice(prefixes)} {text}"
         body: dict[str, Any] = {
             "prompt": text,
-            "max_tokens": max_tokens or rng.randint(*p.output_tokens),
+            "max_tokens": max_tokens or rng.randint(*(kind.output_tokens or p.output_tokens)),
             "temperature": kind.temperature,
             "top_p": kind.top_p,
             "logprobs": TOP_LOGPROBS,
@@ -126,6 +128,8 @@ def schedule(load: Load) -> list[Planned]:
             body["seed"] = rng.randrange(2**31)
         if kind.stop:
             body["stop"] = list(kind.stop)
+        if kind.structured:
+            body["structured_outputs"] = structured_outputs(kind.structured)
         stream = rng.random() < load.stream_fraction
         cancel = stream and rng.random() < load.cancel.fraction
         out.append(
@@ -136,6 +140,7 @@ def schedule(load: Load) -> list[Planned]:
                 api_key=f"tenant-{rng.randrange(p.tenants)}",
                 stream=stream,
                 cancel_after=rng.randint(*load.cancel.after_tokens) if cancel else None,
+                structured=kind.structured,
             )
         )
     return out

@@ -85,6 +85,11 @@ class Prompts(ConfigSection):
         return self
 
 
+# A structured request's grammar: one of chaos.structured's fixed ones, by kind (a JSON
+# schema, a regex, a choice of words, or a forced call of one of two tools).
+Structured = Literal["json_schema", "regex", "choice", "tool"]
+
+
 class Sampling(ConfigSection):
     """One kind of request in the mix."""
 
@@ -94,6 +99,30 @@ class Sampling(ConfigSection):
     seed: bool = Field(False, description="send a per-request seed (reproducible sampling)")
     stop: list[str] = Field(default_factory=list, description="stop strings")
     n: int = Field(1, ge=1, le=8, description="choices per request")
+    structured: Structured | None = Field(
+        None,
+        description="hold the output to this kind's fixed grammar (chaos.structured), sent as "
+        "vLLM's `structured_outputs`; None: free text",
+    )
+    output_tokens: tuple[int, int] | None = Field(
+        None,
+        description="max_tokens (min, max) of this kind, uniform (None: the prompts' range); "
+        "a structured output needs room to end by itself",
+    )
+
+    @model_validator(mode="after")
+    def _checked(self) -> Sampling:
+        if (
+            self.output_tokens is not None
+            and not 1 <= self.output_tokens[0] <= self.output_tokens[1]
+        ):
+            raise ValueError(f"output_tokens: {self.output_tokens} must be 1 <= min <= max")
+        if self.structured is not None and self.stop:
+            # A stop string would end a structured output before its grammar does.
+            raise ValueError(
+                f"stop: {self.stop} beside structured: {self.structured} (one or the other)"
+            )
+        return self
 
 
 class Cancel(ConfigSection):

@@ -2,7 +2,8 @@
 outside the cluster, given each planned body through this module's own small path -- the
 prompt's tokens as the tokenizer encodes the text, the body's sampling fields, choice ``c`` of
 a seeded request drawing stream ``c`` of its seed (docs/design.md#sampling-seeds; a body without
-a seed takes the one the server reported) -- and its outputs written as the API documents its
+a seed takes the one the server reported), its ``structured_outputs`` the grammar vLLM's field
+names (docs/design.md#structured-outputs) -- and its outputs written as the API documents its
 completions ``logprobs`` with ``return_tokens_as_token_ids`` (``token_id:N`` names, the sampled
 token among its top, ``-inf`` as -9999.0). Nothing here is the ingress's own code: a bug in its
 parsing, seeding or formatting shows as a mismatch instead of appearing on both sides.
@@ -13,6 +14,7 @@ logprobs independent of its batch, so all of them are computed in one batch here
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -22,7 +24,7 @@ from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import TokenLogprobs
 from engine.request import FinishReason
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import Constraint, SamplingParams
 from tandem.topology import Topology
 
 REFERENCE_KV_BYTES = 512 * 2**20
@@ -61,6 +63,7 @@ def expected(
             seed=body.get("seed", seed),
             logprobs=body["logprobs"],
             ignore_eos=body.get("ignore_eos", False),
+            constraint=constraint_of(body.get("structured_outputs")),
         )
         for choice in range(n):
             prompts.append(ids)
@@ -73,6 +76,23 @@ def expected(
         answers.append([_expected(out, top) for out in outputs[at : at + n]])
         at += n
     return answers
+
+
+def constraint_of(field: dict[str, Any] | None) -> Constraint | None:
+    """The grammar a body's ``structured_outputs`` names (exactly one of ``json``: a schema,
+    as an object or its text; ``regex``; ``choice``: a list of strings; ``grammar``: Lark)."""
+    if field is None:
+        return None
+    [(name, spec)] = field.items()
+    if name == "json":
+        return Constraint("json_schema", spec if isinstance(spec, str) else json.dumps(spec))
+    if name == "choice":
+        return Constraint.choice(spec)
+    if name == "regex":
+        return Constraint("regex", spec)
+    if name == "grammar":
+        return Constraint("grammar", spec)
+    raise ValueError(f"structured_outputs.{name}: not json, regex, choice or grammar")
 
 
 # OpenAI's finish_reason for how a reference run ends (the API's documented mapping).

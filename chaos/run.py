@@ -302,6 +302,8 @@ class ChaosRun:
                     "attempts": [[a.prefill, a.decode] for a in attempts],
                     "touched": touched,
                     "mismatch": why,
+                    "structured": p.structured,
+                    "invalid": v.invalid_output(o, p.structured) if p.structured else None,
                 }
             )
         faults = self._fault_rows(events, outcomes, rows, start, load_end)
@@ -321,6 +323,7 @@ class ChaosRun:
         )
         if self.plan.checks.transformers_greedy:
             checks.append(self._transformers_check(outcomes, hf, rows))
+        checks += v.structured_checks(plan, outcomes, rows)
         by_attempt = {
             a.attempt_id: row
             for row, (_, attempts, _) in zip(rows, ran, strict=True)
@@ -337,11 +340,13 @@ class ChaosRun:
             planned_cancels=sum(r["planned_cancel"] for r in rows),
             storm_dropped=sum(r["storm"] for r in rows),
             mismatched=sum(r["mismatch"] is not None for r in rows),
+            structured=sum(r["structured"] is not None for r in rows),
+            invalid=sum(r["invalid"] is not None for r in rows),
             non_targeted=sum(not r["touched"] for r in judged),
             non_targeted_ok=sum(not r["touched"] and r["status"] == "ok" for r in judged),
             tokens=sum(o.num_tokens for o in outcomes),
         )
-        bad = [r for r in rows if r["status"] in ("error", "hung") or r["mismatch"]]
+        bad = [r for r in rows if r["status"] in ("error", "hung") or r["mismatch"] or r["invalid"]]
         return v.Summary(
             plan=self.plan.name,
             verdict=all(ch.passed for ch in checks),

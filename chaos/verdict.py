@@ -1,6 +1,7 @@
-"""What a chaos run's records come to: per-request verdicts against the reference, which
-requests a fault touched, the timeline, detection, recovery and stranded KV. Plain functions
-over plain data (no Ray, no HTTP), so each rule is tested on its own.
+"""What a chaos run's records come to: per-request verdicts against the reference (and a
+structured request's against its grammar), which requests a fault touched, the timeline,
+detection, recovery and stranded KV. Plain functions over plain data (no Ray, no HTTP), so each
+rule is tested on its own.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from chaos.inject import FaultEvent
-from chaos.load import Outcome
+from chaos.load import Outcome, Planned
+from chaos.plan import Structured
 from chaos.reference import Expected
+from chaos.structured import why_invalid
 from engine.metrics import percentile
 
 STEADY_WINDOW_S = 10.0  # before a fault: what "steady" is measured over
@@ -59,6 +62,64 @@ def mismatch(outcome: Outcome, answers: list[Expected]) -> str | None:
         if not complete and not want.text.startswith(got.text):
             return f"choice {index}: the text received is not a prefix of the reference"
     return None
+
+
+def invalid_output(outcome: Outcome, kind: Structured) -> str | None:
+    """Why a structured request's output breaks its grammar (None: it does not). Each choice
+    that ended by itself (``finish_reason`` "stop") must parse and match it whole; one that
+    ended at max_tokens or was cut short is not judged here (``endings`` counts them): its
+    tokens are a prefix of the reference's, which the same grammar masked (``mismatch``)."""
+    for index, choice in sorted(outcome.choices.items()):
+        if choice.finish_reason == "stop":
+            why = why_invalid(kind, choice.text)
+            if why is not None:
+                return f"choice {index}: {why}"
+    return None
+
+
+def endings(outcome: Outcome, n: int) -> list[str]:
+    """How each of ``n`` choices ended: "stop" (by itself), "length" (at max_tokens) or
+    "cut" (cancelled, failed, hung: no finish_reason)."""
+    out = []
+    for index in range(n):
+        choice = outcome.choices.get(index)
+        reason = choice.finish_reason if choice is not None else None
+        out.append(reason if reason in ("stop", "length") else "cut")
+    return out
+
+
+def structured_checks(
+    plan: list[Planned], outcomes: list[Outcome], rows: list[dict[str, Any]]
+) -> list[Check]:
+    """A run's grammar check (none for a run without structured requests): ``rows`` are the
+    run's per-request rows, each with its ``invalid`` verdict."""
+    requests = [
+        (p.structured, r["invalid"], endings(o, p.body.get("n", 1)))
+        for p, o, r in zip(plan, outcomes, rows, strict=True)
+        if p.structured
+    ]
+    return [structured_check(requests)] if requests else []
+
+
+def structured_check(requests: list[tuple[Structured, str | None, list[str]]]) -> Check:
+    """The check that structured outputs match their grammar, over each structured request's
+    kind, why it is invalid (None: it is not) and how its choices ended: none invalid, and some
+    choice judged (one that ended by itself) -- a run that judged nothing proved nothing."""
+    ends: dict[str, Counter[str]] = {}
+    for kind, _, ended in requests:
+        ends.setdefault(kind, Counter()).update(ended)
+    invalid = sum(why is not None for _, why, _ in requests)
+    judged = sum(c["stop"] for c in ends.values())
+    per_kind = "; ".join(
+        f"{kind} {c['stop']} stop, {c['length']} length, {c['cut']} cut"
+        for kind, c in sorted(ends.items())
+    )
+    return Check(
+        "structured outputs match their grammar",
+        invalid == 0 and judged > 0,
+        f"{invalid} invalid; {judged} choices judged (stop), length and cut not ({per_kind})",
+        "0 (and some judged)",
+    )
 
 
 def differs_from_transformers(outcome: Outcome, names: list[str]) -> str | None:

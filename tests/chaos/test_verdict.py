@@ -17,11 +17,14 @@ from chaos.verdict import (
     FaultRow,
     detection_s,
     differs_from_transformers,
+    endings,
     false_alarms,
+    invalid_output,
     mismatch,
     on_schedule,
     recovery_s,
     stranded,
+    structured_check,
     timeline,
     touched_by,
 )
@@ -271,3 +274,76 @@ def test_a_fault_done_while_the_router_was_down_is_timed_against_its_own_limit()
     assert late(row("hang_worker", 3.1, False)) == ["hang_worker decode-0: 3.1"]
     assert late(row("kill_worker", None, True)) == ["kill_worker decode-0: None"]
     assert late(row("kill_router", None, False)) == []
+
+
+def answered(*texts: str, finish: str | None = "stop", status: str = "ok") -> Outcome:
+    """A request whose choices wrote ``texts``, each ended with ``finish``."""
+    choices = {i: ChoiceOut(text=t, finish_reason=finish) for i, t in enumerate(texts)}
+    return Outcome(0, scheduled=0.0, status=status, choices=choices)
+
+
+VALID_JSON = (
+    '{"name": "tandem", "kind": "river", "count": 7, "tags": ["a", "bc"], "active": true, '
+    '"code": "ab-123"}'
+)
+
+
+def test_a_structured_output_that_ended_by_itself_must_match_its_grammar() -> None:
+    """Valid outputs pass; invalid JSON, a schema broken, a regex or choice missed, a tool call
+    with bad arguments each name why; the second choice is judged too."""
+    assert invalid_output(answered(VALID_JSON), "json_schema") is None
+    assert invalid_output(answered("2024-02-29"), "regex") is None
+    assert invalid_output(answered("violet"), "choice") is None
+    call = '<tool_call>[{"name": "add", "arguments": {"a": 1, "b": 999}}]</tool_call>'
+    assert invalid_output(answered(call), "tool") is None
+
+    cut_json = answered(VALID_JSON[:-1])
+    assert (invalid_output(cut_json, "json_schema") or "").startswith("choice 0: not JSON: ")
+    assert invalid_output(answered(VALID_JSON.replace("7", "100")), "json_schema") == (
+        "choice 0: breaks the schema at /count: 100 is greater than the maximum of 99"
+    )
+    twice = VALID_JSON.replace('"kind": "river"', '"kind": "river", "kind": "cloud"')
+    assert invalid_output(answered(twice), "json_schema") == (
+        "choice 0: not JSON: keys given twice: ['kind']"
+    )
+    assert invalid_output(answered("2024-13-01"), "regex") == (
+        "choice 0: '2024-13-01' does not match the regex"
+    )
+    assert invalid_output(answered("violet", "purple"), "choice") == (
+        "choice 1: 'purple' is not one of ['red', 'green', 'blue', 'violet']"
+    )
+    bad_args = call.replace('"b": 999', '"b": "999"')
+    assert invalid_output(answered(bad_args), "tool") == (
+        "choice 0: call 0 (add) arguments: breaks the schema at /b: '999' is not of type 'integer'"
+    )
+    assert invalid_output(answered("sure: " + call), "tool") == (
+        "choice 0: text outside the tool calls: 'sure: '"
+    )
+
+
+def test_a_structured_output_cut_short_is_counted_not_judged() -> None:
+    """One that ended at max_tokens, or was cancelled, is a prefix of its grammar's language:
+    not judged here (mismatch holds it to the reference), but counted."""
+    assert invalid_output(answered(VALID_JSON[:20], finish="length"), "json_schema") is None
+    cancelled = answered("20", finish=None, status="cancelled")
+    assert invalid_output(cancelled, "regex") is None
+    assert endings(answered(VALID_JSON, "x", finish="length"), 2) == ["length", "length"]
+    assert endings(answered("red"), 2) == ["stop", "cut"]  # choice 1 never came
+    assert endings(cancelled, 1) == ["cut"]
+
+    check = structured_check(
+        [
+            ("json_schema", None, ["stop"]),
+            ("json_schema", None, ["length"]),
+            ("regex", None, ["cut"]),
+        ]
+    )
+    assert check == Check(
+        "structured outputs match their grammar",
+        True,
+        "0 invalid; 1 choices judged (stop), length and cut not (json_schema 1 stop, 1 length, "
+        "0 cut; regex 0 stop, 0 length, 1 cut)",
+        "0 (and some judged)",
+    )
+    assert not structured_check([("regex", "choice 0: ...", ["stop"])]).passed
+    assert not structured_check([("regex", None, ["length"])]).passed  # nothing judged
