@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.sampling_params import Constraint
+from engine.structured import JSON_STYLE
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
 _ARGUMENT_KEYS = ("arguments", "parameters")  # some models write the latter
@@ -57,6 +58,7 @@ def tool_call_grammar(
         ]
     }
     schema: dict[str, Any] = {"type": "array", "items": calls, "minItems": 1}
+    schema["x-guidance"] = JSON_STYLE  # one line, as the template shows the calls
     if not parallel:
         schema["maxItems"] = 1
     begin, end = json.dumps(CALL_BEGIN), json.dumps(CALL_END)

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
@@ -22,7 +25,18 @@ from engine.config import ModelConfig
 from engine.sampling_params import Constraint
 from engine.tokenizer import Tokenizer
 
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
 GRAMMARS_CACHED = 256  # compiled grammars kept per engine (by constraint)
+# How a JSON output is written: on one line, items and keys separated as Python's json.dumps
+# does. llguidance's default allows any whitespace between tokens, and a small model sampling
+# at T > 0 can spend its whole budget on newlines; a schema's own "x-guidance" options win.
+JSON_STYLE: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 class InvalidConstraint(ValueError):
@@ -34,7 +48,12 @@ def compile_grammar(constraint: Constraint, tokenizer: llguidance.LLTokenizer | 
     an engine's; without one, as the HTTP edge checks a request); InvalidConstraint when it
     cannot be used."""
     try:
-        grammar = llguidance.grammar_from(constraint.kind, constraint.spec)
+        if constraint.kind == "json_schema":
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                constraint.spec, defaults=JSON_STYLE
+            )
+        else:
+            grammar = llguidance.grammar_from(constraint.kind, constraint.spec)
     except ValueError as e:
         raise InvalidConstraint(f"invalid {constraint.kind}: {e}") from None
     error = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
@@ -92,6 +111,28 @@ class GrammarState:
         return allowed_tokens([self], vocab_size)[0]
 
 
+@dataclass(frozen=True)
+class MasksAhead:
+    """The masks of a step's grammars, computed in the background while the step's forward
+    pass runs (every grammar caught up with its row's output first: they depend on nothing
+    the forward computes)."""
+
+    grammars: tuple[GrammarState, ...]
+    masks: Future[NDArray[np.bool_]]
+
+    @classmethod
+    def start(cls, grammars: Sequence[GrammarState], vocab_size: int) -> MasksAhead:
+        return cls(tuple(grammars), _background().submit(allowed_tokens, grammars, vocab_size))
+
+    def result(self, grammars: Sequence[GrammarState]) -> NDArray[np.bool_] | None:
+        """The masks, if they are those of ``grammars`` (None: another set; a fork added rows)."""
+        ready = self.masks.result()
+        same = len(grammars) == len(self.grammars) and all(
+            a is b for a, b in zip(grammars, self.grammars, strict=True)
+        )
+        return ready if same else None
+
+
 def allowed_tokens(states: Sequence[GrammarState], vocab_size: int) -> NDArray[np.bool_]:
     """Row i: the tokens ``states[i]`` allows next, as bools [len(states), vocab_size]. The
     masks are computed together by llguidance's thread pool (the GIL released), one bit per
@@ -108,3 +149,9 @@ def allowed_tokens(states: Sequence[GrammarState], vocab_size: int) -> NDArray[n
 def _executor() -> llguidance.LLExecutor:
     """llguidance's mask thread pool, one per process (made at the first mask)."""
     return llguidance.LLExecutor()
+
+
+@functools.cache
+def _background() -> ThreadPoolExecutor:
+    """The thread that waits on llguidance's pool while the forward pass runs."""
+    return ThreadPoolExecutor(1, thread_name_prefix="tandem-masks")
