@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from engine import metrics
 from engine.admission import RequestRejected
@@ -28,7 +29,7 @@ from engine.request import EngineRequest, FinishReason, Request, RequestStatus, 
 from engine.sampler import Sampler, SamplingState, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured import Grammars
+from engine.structured import Grammars, MasksAhead
 from engine.tokenizer import Tokenizer
 
 
@@ -304,13 +305,13 @@ class LLMEngine:
         out = self.scheduler.schedule()
         outputs: list[TokenDelta] = []
         if out.chunks:
+            ahead = self.sampler.masks_ahead([self._seqs[r].sampling for r in out.sampled_ids])
             logits = self._take_prompt_logprobs(out.chunks, self.runner.execute(out))
-            sampled = self._sample(out.sampled_ids, logits)
-            for req in self.scheduler.update_from_output(out, sampled):
-                outputs.append(self._emit(req))
+            sampled = self._sample(out.sampled_ids, logits, ahead)
+            outputs += [self._emit(r) for r in self.scheduler.update_from_output(out, sampled)]
         # Requests that ended without a token this step (abort, deadline, stop-string cut).
-        for rid in [r for r, s in self._seqs.items() if s.request.is_finished]:
-            outputs.append(self._finish(rid))
+        ended = [rid for rid, seq in self._seqs.items() if seq.request.is_finished]
+        outputs += [self._finish(rid) for rid in ended]
         return [o for o in outputs if o.token_ids or o.text or o.finished]
 
     def _take_prompt_logprobs(
@@ -345,11 +346,11 @@ class LLMEngine:
             found = token_logprobs(logits, scored, [k] * len(scored))
             seq.prompt_logprobs[first : first + len(scored)] = found
 
-    def _sample(self, row_ids: list[str], logits: torch.Tensor) -> dict[str, int]:
+    def _sample(self, rids: list[str], logits: Tensor, ahead: MasksAhead | None) -> dict[str, int]:
         rows: list[int] = []
         states: list[SamplingState] = []
         ids: list[str] = []
-        for row, rid in enumerate(row_ids):
+        for row, rid in enumerate(rids):
             seq = self._seqs[rid]
             req = seq.request
             if req.sampling_params.n > 1 and seq.index == 0 and not req.output_token_ids:
@@ -366,7 +367,7 @@ class LLMEngine:
             ids.append(rid)
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler(logits, states)
+        result = self.sampler(logits, states, ahead)
         for rid, lp in zip(ids, result.logprobs, strict=True):
             if lp is not None:
                 self._seqs[rid].logprobs.append(lp)
@@ -448,9 +449,8 @@ class LLMEngine:
     ) -> list[list[CompletionOutput]]:
         """Batch-generate; returns, per prompt, its n completions ordered by index."""
         plist = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
-        ids = [
-            self.add_request(self.make_request(p, sp)) for p, sp in zip(prompts, plist, strict=True)
-        ]
+        pairs = zip(prompts, plist, strict=True)
+        ids = [self.add_request(self.make_request(p, sp)) for p, sp in pairs]
         while self.has_unfinished():
             self.step()
         by_request: dict[str, list[CompletionOutput]] = {rid: [] for rid in ids}

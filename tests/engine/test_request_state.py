@@ -195,4 +195,4 @@ def test_only_the_scheduler_and_its_admission_change_a_state() -> None:
     assert calls == {"engine/scheduler.py", "engine/admission.py"}
     # Request.transition's own write; the others are other records' statuses (HTTP errors, the
     # gate's refusals, a chaos client's outcomes), not a request's state.
-    assert writes == {"engine/request.py", "api/protocol.py", "api/gate.py", "chaos/load.py"}
+    assert writes == {"engine/request.py", "api/errors.py", "api/gate.py", "chaos/load.py"}
