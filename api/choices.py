@@ -115,16 +115,13 @@ class Choices:
         deltas: AsyncIterator[tuple[int, TokenDelta]],
     ) -> AsyncIterator[bytes]:
         """The job's answer as server-sent events; ``ticket`` released once it ends."""
+        rest = deltas if first is None else _chain(first, deltas)
         if job.responses is not None:
-            return self.response_stream(job, ticket, first, deltas)
-        return self.chunk_stream(job, ticket, first, deltas)
+            return self._event_stream(job, ticket, rest)
+        return self._chunk_stream(job, ticket, rest)
 
-    async def response_stream(
-        self,
-        job: Job,
-        ticket: Ticket,
-        first: tuple[int, TokenDelta] | None,
-        deltas: AsyncIterator[tuple[int, TokenDelta]],
+    async def _event_stream(
+        self, job: Job, ticket: Ticket, rest: AsyncIterator[tuple[int, TokenDelta]]
     ) -> AsyncIterator[bytes]:
         """A /v1/responses stream: its typed events (api/responses_api.py), an ``error`` event
         for a failure after the first token."""
@@ -133,7 +130,6 @@ class Choices:
         try:
             for event in events.start():
                 yield event_sse(event)
-            rest = deltas if first is None else _chain(first, deltas)
             async for _, delta in rest:
                 sent += len(delta.token_ids)
                 out = events.feed(delta.text)
@@ -143,19 +139,12 @@ class Choices:
                 for event in out:
                     yield event_sse(event)
         except Exception as exc:  # headers are sent: the error travels as an event
-            error = exc if isinstance(exc, APIError) else internal_error(exc, job.meta.id)
-            self.metrics.observe_stream_error(error.code or "internal")
-            logger.warning("%s: stream ended after %d token(s): %s", job.meta.id, sent, error)
-            yield event_sse(error_event(error, events.sequence))
+            yield event_sse(error_event(self._stream_error(job, exc, sent), events.sequence))
         finally:
             ticket.release()
 
-    async def chunk_stream(
-        self,
-        job: Job,
-        ticket: Ticket,
-        first: tuple[int, TokenDelta] | None,
-        deltas: AsyncIterator[tuple[int, TokenDelta]],
+    async def _chunk_stream(
+        self, job: Job, ticket: Ticket, rest: AsyncIterator[tuple[int, TokenDelta]]
     ) -> AsyncIterator[bytes]:
         """A chat or completions stream: SSE chunks, ``data: [DONE]`` last."""
         gathered: _Gathered = [None] * len(job.prompts)
@@ -164,7 +153,6 @@ class Choices:
             if job.chat:
                 for index in range(len(gathered)):
                     yield responses.sse(responses.chat_chunk(job.meta, index, role=True))
-            rest = deltas if first is None else _chain(first, deltas)
             async for index, delta in rest:
                 if parsers is not None:
                     chunks = self.tool_chunks(job, index, parsers[index], delta)
@@ -187,14 +175,18 @@ class Choices:
                     )
                 )
         except Exception as exc:  # headers are sent: the error travels as an SSE event
-            error = exc if isinstance(exc, APIError) else internal_error(exc, job.meta.id)
-            self.metrics.observe_stream_error(error.code or "internal")
-            sent = _num_tokens(gathered)
-            logger.warning("%s: stream ended after %d token(s): %s", job.meta.id, sent, error)
-            yield responses.sse(error.body())
+            yield responses.sse(self._stream_error(job, exc, _num_tokens(gathered)).body())
         finally:
             ticket.release()
         yield responses.SSE_DONE
+
+    def _stream_error(self, job: Job, exc: Exception, sent: int) -> APIError:
+        """What a stream that failed after ``sent`` tokens tells its client (a bug: a 500's
+        error object), counted and logged."""
+        error = exc if isinstance(exc, APIError) else internal_error(exc, job.meta.id)
+        self.metrics.observe_stream_error(error.code or "internal")
+        logger.warning("%s: stream ended after %d token(s): %s", job.meta.id, sent, error)
+        return error
 
     def tool_chunks(
         self, job: Job, index: int, parser: ToolCallParser, delta: TokenDelta

@@ -22,7 +22,7 @@ import json
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, WithJsonSchema, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 from api.errors import APIError, bad_request
 from api.protocol import ChatCompletionRequest, CrossFieldError, StrictModel, parse_body
@@ -116,14 +116,21 @@ class TextConfig(StrictModel):
     ] = FreeTextFormat(type="text")
 
 
+def _text_or_items(schema: dict[str, Any]) -> None:
+    """``input``'s schema: what its validator takes, a text or a non-empty list of items."""
+    items = {**schema, "minItems": 1}
+    schema.clear()
+    schema["anyOf"] = [{"type": "string", "minLength": 1}, items]
+
+
 class ResponsesRequest(StrictModel):
     """``POST /v1/responses``: what Tandem implements of it (anything else is a 400 naming it)."""
 
     model: str
-    input: Annotated[
-        list[InputItem],
-        WithJsonSchema({"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1}]}),
-    ] = Field(description="a user message's text, or the conversation's items")
+    input: list[InputItem] = Field(
+        description="a user message's text, or the conversation's items",
+        json_schema_extra=_text_or_items,
+    )
     instructions: str | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedFunction | None = None

@@ -30,6 +30,7 @@ from api.protocol import (
     parse_chat,
     parse_completion,
 )
+from api.responses_api import parse_responses
 from api.translate import check_choices
 from tandem.deployment import app
 
@@ -175,6 +176,8 @@ _CROSS_FIELD = {
     "structured_outputs",
     "tools",  # two with one name
     "tool_choice",  # naming a function not among the tools, or without tools
+    "store",  # true: nothing is kept
+    "previous_response_id",  # nothing to continue
 }
 # A message's fields that depend on its role (content null only beside tool_calls...).
 _MESSAGE_CROSS_FIELD = re.compile(r"messages\.[0-9]+\.(content|tool_calls|tool_call_id)")
@@ -186,13 +189,17 @@ def bodies(document: dict[str, Any]) -> dict[str, st.SearchStrategy[Any]]:
     schema = schemathesis.openapi.from_dict(document)
     return {
         path: schema[path]["POST"].as_strategy().map(lambda case: case.body)
-        for path in ("/v1/completions", "/v1/chat/completions")
+        for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses")
     }
 
 
 @pytest.mark.parametrize(
     ("path", "parse"),
-    [("/v1/completions", parse_completion), ("/v1/chat/completions", parse_chat)],
+    [
+        ("/v1/completions", parse_completion),
+        ("/v1/chat/completions", parse_chat),
+        ("/v1/responses", parse_responses),
+    ],
 )
 @settings(
     max_examples=50,

@@ -66,3 +66,26 @@ def serve_app(ray_session: None, direct_ingress_port: int) -> Iterator[ServeApp]
     for topology in topologies:
         stop_cluster(load_topology(topology))
     _wait_actors_gone(names)
+
+
+SMOLLM2_PD = """
+model: {{path: {path}, name: smollm2}}
+pools:
+  prefill: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
+  decode: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
+transport: grpc
+router: {{local_prefill_max_tokens: 0}}
+"""
+
+
+@pytest.fixture(scope="module")
+def smollm2_pd_url(
+    serve_app: ServeApp, smollm2: Path, tmp_path_factory: pytest.TempPathFactory
+) -> str:
+    """The URL of a module's app serving the real model (SmolLM2-135M-Instruct, bf16, named
+    ``smollm2``) disaggregated: one prefill and one decode worker, every prompt prefilled
+    remotely (the prefill worker samples the first token)."""
+    engine = {"kv_cache_bytes": 2**25, "max_num_seqs": 8, "num_threads": 1}
+    topology = tmp_path_factory.mktemp("smollm2-pd") / "topology.yaml"
+    topology.write_text(SMOLLM2_PD.format(path=smollm2, engine=engine))
+    return serve_app(topology)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -17,15 +16,6 @@ import requests
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2"
-TOPOLOGY = """
-model: {{path: {path}, name: smollm2}}
-pools:
-  prefill: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
-  decode: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
-transport: grpc
-router: {{local_prefill_max_tokens: 0}}
-"""
-ENGINE = {"kv_cache_bytes": 2**25, "max_num_seqs": 8, "num_threads": 1}
 WEATHER: Any = {
     "type": "function",
     "name": "get_weather",
@@ -47,10 +37,8 @@ CAPITAL = {
 
 
 @pytest.fixture(scope="module")
-def url(serve_app: Any, smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-    topology = tmp_path_factory.mktemp("responses") / "topology.yaml"
-    topology.write_text(TOPOLOGY.format(path=smollm2, engine=ENGINE))
-    return str(serve_app(topology))
+def url(smollm2_pd_url: str) -> str:
+    return smollm2_pd_url
 
 
 @pytest.fixture(scope="module")
@@ -174,6 +162,7 @@ def test_what_is_not_kept_or_not_implemented_is_a_400(
 
 def test_tokenize_counts_what_the_server_runs_and_detokenize_reverses_it(url: str) -> None:
     question = [{"role": "user", "content": "What is the capital of France?"}]
+
     def post(path: str, body: dict[str, Any]) -> requests.Response:
         return requests.post(f"{url}{path}", json=body, timeout=60)
 

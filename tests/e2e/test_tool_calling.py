@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -19,15 +18,6 @@ from openai.types.chat import ChatCompletion, ChatCompletionMessageParam
 
 pytestmark = pytest.mark.e2e
 MODEL = "smollm2"
-TOPOLOGY = """
-model: {{path: {path}, name: smollm2}}
-pools:
-  prefill: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
-  decode: {{replicas: 1, num_cpus: 0.5, engine: {engine}}}
-transport: grpc
-router: {{local_prefill_max_tokens: 0}}
-"""
-ENGINE = {"kv_cache_bytes": 2**25, "max_num_seqs": 8, "num_threads": 1}
 WEATHER = {
     "name": "get_weather",
     "description": "Get the current weather in a city",
@@ -77,13 +67,10 @@ EXAMPLE: list[Any] = [
 
 
 @pytest.fixture(scope="module")
-def client(
-    serve_app: Any, smollm2: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[openai.OpenAI]:
-    topology = tmp_path_factory.mktemp("tools") / "topology.yaml"
-    topology.write_text(TOPOLOGY.format(path=smollm2, engine=ENGINE))
-    url = serve_app(topology)
-    yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=300)
+def client(smollm2_pd_url: str) -> Iterator[openai.OpenAI]:
+    yield openai.OpenAI(
+        base_url=f"{smollm2_pd_url}/v1", api_key="unused", max_retries=0, timeout=300
+    )
 
 
 def ask(client: openai.OpenAI, **kw: Any) -> ChatCompletion:
