@@ -64,7 +64,8 @@ def compile_grammar(constraint: Constraint, tokenizer: llguidance.LLTokenizer | 
 
 class Grammars:
     """One engine's grammar side: the tokenizer as llguidance sees it (built at the first use,
-    ~0.5 s) and the compiled grammars, cached by constraint."""
+    ~0.35 s for SmolLM2's 49k tokens) and, cached by constraint, each grammar compiled into a
+    fresh matcher that a request's state copies (5 us; a new matcher re-parses: ~1.2 ms)."""
 
     def __init__(self, tokenizer: Tokenizer, model: ModelConfig) -> None:
         self.vocab_size = model.vocab_size  # the logits' width
@@ -79,11 +80,13 @@ class Grammars:
             self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self._eos
         )
 
-    def _compile(self, constraint: Constraint) -> str:
-        return compile_grammar(constraint, self.tokenizer)
+    def _compile(self, constraint: Constraint) -> llguidance.LLMatcher:
+        return llguidance.LLMatcher(self.tokenizer, compile_grammar(constraint, self.tokenizer))
 
     def state(self, constraint: Constraint) -> GrammarState:
-        return GrammarState(llguidance.LLMatcher(self.tokenizer, self.compile(constraint)))
+        """A matcher at the grammar's start for one sequence (InvalidConstraint when the
+        grammar cannot be used)."""
+        return GrammarState(self.compile(constraint).deep_copy())
 
 
 class GrammarState:
