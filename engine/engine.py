@@ -29,7 +29,7 @@ from engine.request import EngineRequest, FinishReason, Request, RequestStatus, 
 from engine.sampler import Sampler, SamplingState, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.structured import Grammars, MasksAhead
+from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
 
 
@@ -305,9 +305,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         outputs: list[TokenDelta] = []
         if out.chunks:
-            ahead = self.sampler.masks_ahead([self._seqs[r].sampling for r in out.sampled_ids])
             logits = self._take_prompt_logprobs(out.chunks, self.runner.execute(out))
-            sampled = self._sample(out.sampled_ids, logits, ahead)
+            sampled = self._sample(out.sampled_ids, logits)
             outputs += [self._emit(r) for r in self.scheduler.update_from_output(out, sampled)]
         # Requests that ended without a token this step (abort, deadline, stop-string cut).
         ended = [rid for rid, seq in self._seqs.items() if seq.request.is_finished]
@@ -346,7 +345,7 @@ class LLMEngine:
             found = token_logprobs(logits, scored, [k] * len(scored))
             seq.prompt_logprobs[first : first + len(scored)] = found
 
-    def _sample(self, rids: list[str], logits: Tensor, ahead: MasksAhead | None) -> dict[str, int]:
+    def _sample(self, rids: list[str], logits: Tensor) -> dict[str, int]:
         rows: list[int] = []
         states: list[SamplingState] = []
         ids: list[str] = []
@@ -367,7 +366,7 @@ class LLMEngine:
             ids.append(rid)
         if len(rows) != logits.shape[0] or rows != list(range(len(rows))):
             logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.sampler(logits, states, ahead)
+        result = self.sampler(logits, states)
         for rid, lp in zip(ids, result.logprobs, strict=True):
             if lp is not None:
                 self._seqs[rid].logprobs.append(lp)

@@ -31,7 +31,7 @@ from engine.logits_processors import TokenHistory, needs_processing, process_log
 from engine.outputs import SamplingSnapshot, TokenLogprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.structured import Grammars, GrammarState, MasksAhead, allowed_tokens
+from engine.structured import Grammars, GrammarState, allowed_tokens
 
 # Cumulative mass within this of the target counts as reaching it, so that float rounding of an
 # exact boundary (0.3 + 0.33 vs typical_p = 0.63) cannot pull in one more token.
@@ -222,22 +222,10 @@ class Sampler:
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
 
-    def masks_ahead(self, states: Sequence[SamplingState]) -> MasksAhead | None:
-        """Start computing the grammar masks of ``states`` (a step's rows, before its forward
-        pass); None when no row has a grammar."""
-        grammars = _synced_grammars(states)[1]
-        return MasksAhead.start(grammars, self.vocab_size) if grammars else None
-
-    def __call__(
-        self,
-        logits: Tensor,
-        states: Sequence[SamplingState],
-        ahead: MasksAhead | None = None,
-    ) -> SamplerOutput:
+    def __call__(self, logits: Tensor, states: Sequence[SamplingState]) -> SamplerOutput:
         """Sample one token per row.
 
-        Args: ``logits`` [B, V] (any float dtype, any device); ``states`` one per row;
-        ``ahead`` the rows' grammar masks, if ``masks_ahead`` started them.
+        Args: ``logits`` [B, V] (any float dtype, any device); ``states`` one per row.
         Returns: the tokens and, where asked, their logprobs.
         Raises: ValueError if the shapes do not match.
         """
@@ -251,7 +239,7 @@ class Sampler:
         processed = any(needs_processing(s.params, s.history, s.eos_token_ids) for s in states)
         if any(s.grammar is not None for s in states):
             z = z.clone() if z is logits else z
-            _apply_grammars(z, states, ahead)
+            _apply_grammars(z, states)
             raw = z.clone() if processed else z  # the grammar is never dropped
         if processed:
             z = z.clone() if z is logits else z
@@ -288,28 +276,17 @@ class Sampler:
         return _draw(probs, [uniform(s.seed, s.choice, len(s.history.output)) for s in states])
 
 
-def _synced_grammars(states: Sequence[SamplingState]) -> tuple[list[int], list[GrammarState]]:
-    """The rows with a grammar and their grammars, each caught up with its row's output."""
+def _apply_grammars(logits: Tensor, states: Sequence[SamplingState]) -> None:
+    """Mask, in place, every token of float32 ``logits`` [B, V] that row i's grammar does not
+    allow next, its matcher first caught up with the row's output (rows without one: as is).
+    The masks of all rows are computed together (``allowed_tokens``) and applied at once."""
     rows, grammars = [], []
     for row, state in enumerate(states):
         if state.grammar is not None:
             state.grammar.sync(state.history.output)
             rows.append(row)
             grammars.append(state.grammar)
-    return rows, grammars
-
-
-def _apply_grammars(
-    logits: Tensor, states: Sequence[SamplingState], ahead: MasksAhead | None
-) -> None:
-    """Mask, in place, every token of float32 ``logits`` [B, V] that row i's grammar does not
-    allow next (rows without one: as is). The masks of all rows are computed together
-    (``allowed_tokens``), or were while the forward pass ran (``ahead``), and applied at once."""
-    rows, grammars = _synced_grammars(states)
-    allowed = None if ahead is None else ahead.result(grammars)
-    if allowed is None:
-        allowed = allowed_tokens(grammars, logits.shape[1])
-    banned = ~torch.from_numpy(allowed).to(logits.device)
+    banned = ~torch.from_numpy(allowed_tokens(grammars, logits.shape[1])).to(logits.device)
     if len(rows) == len(states):
         logits.masked_fill_(banned, float("-inf"))
     else:

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import llguidance
@@ -114,28 +112,6 @@ class GrammarState:
         return allowed_tokens([self], vocab_size)[0]
 
 
-@dataclass(frozen=True)
-class MasksAhead:
-    """The masks of a step's grammars, computed in the background while the step's forward
-    pass runs (every grammar caught up with its row's output first: they depend on nothing
-    the forward computes)."""
-
-    grammars: tuple[GrammarState, ...]
-    masks: Future[NDArray[np.bool_]]
-
-    @classmethod
-    def start(cls, grammars: Sequence[GrammarState], vocab_size: int) -> MasksAhead:
-        return cls(tuple(grammars), _background().submit(allowed_tokens, grammars, vocab_size))
-
-    def result(self, grammars: Sequence[GrammarState]) -> NDArray[np.bool_] | None:
-        """The masks, if they are those of ``grammars`` (None: another set; a fork added rows)."""
-        ready = self.masks.result()
-        same = len(grammars) == len(self.grammars) and all(
-            a is b for a, b in zip(grammars, self.grammars, strict=True)
-        )
-        return ready if same else None
-
-
 def allowed_tokens(states: Sequence[GrammarState], vocab_size: int) -> NDArray[np.bool_]:
     """Row i: the tokens ``states[i]`` allows next, as bools [len(states), vocab_size]. The
     masks are computed together by llguidance's thread pool (the GIL released), one bit per
@@ -152,9 +128,3 @@ def allowed_tokens(states: Sequence[GrammarState], vocab_size: int) -> NDArray[n
 def _executor() -> llguidance.LLExecutor:
     """llguidance's mask thread pool, one per process (made at the first mask)."""
     return llguidance.LLExecutor()
-
-
-@functools.cache
-def _background() -> ThreadPoolExecutor:
-    """The thread that waits on llguidance's pool while the forward pass runs."""
-    return ThreadPoolExecutor(1, thread_name_prefix="tandem-masks")
