@@ -107,10 +107,6 @@ class GrammarState:
         if self.matcher.is_error():
             raise RuntimeError(f"grammar state: {self.matcher.get_error()}")
 
-    def allowed(self, vocab_size: int) -> NDArray[np.bool_]:
-        """The tokens that may come next, as a bool row of ``vocab_size``."""
-        return allowed_tokens([self], vocab_size)[0]
-
 
 def allowed_tokens(states: Sequence[GrammarState], vocab_size: int) -> NDArray[np.bool_]:
     """Row i: the tokens ``states[i]`` allows next, as bools [len(states), vocab_size]. The
