@@ -93,9 +93,21 @@ def _renormalise(probs: Tensor, keep: Tensor) -> Tensor:
 
 
 def _tempered_probs(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
-    """softmax(z / T) per row, T > 0; subtracting the row max first keeps tiny T finite."""
+    """softmax(z / T) per row, T > 0; subtracting the row max first keeps tiny T finite.
+    Written out rather than ``torch.softmax``, whose CPU kernel sums in its vector width and so
+    differs in the last bit between AVX2 and AVX-512 (:func:`log_softmax`)."""
     temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
-    return torch.softmax((logits - logits.amax(-1, keepdim=True)) / temps, dim=-1)
+    weights = ((logits - logits.amax(-1, keepdim=True)) / temps).exp()
+    return weights / weights.sum(-1, keepdim=True)
+
+
+def log_softmax(logits: Tensor) -> Tensor:
+    """``logits - logsumexp(logits)`` per row: the same bits on every CPU family, so a stream
+    moved between an AVX2 and an AVX-512 worker of the portable numerics class keeps its logprobs
+    (docs/design.md#numerics-classes). ``torch.log_softmax``'s CPU kernel sums in its vector
+    width (8 floats on AVX2, 16 on AVX-512) and the two differ in the last bit; amax, exp, sum
+    and log give the same bits under both (tests/engine/test_numerics_classes.py)."""
+    return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
 
 
 # -- per-sequence state ---------------------------------------------------------------------------
@@ -336,7 +348,7 @@ def token_logprobs(
     """Row i's RAW logprob of ``token_ids[i]``, its rank and its ``num_top[i]`` most likely
     tokens: the one computation behind a generated token's logprobs and a prompt token's, so a
     token scored in a prefill has the bits it had when it was sampled."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+    logp = log_softmax(logits.float())
     chosen = torch.tensor(token_ids, device=logits.device, dtype=torch.long)[:, None]
     chosen_logp = logp.gather(-1, chosen)
     ids = torch.arange(logp.shape[-1], device=logits.device)

@@ -1,44 +1,52 @@
 """Numerics classes (docs/design.md#numerics-classes): what decides an engine's bits is named,
 the router keeps every request within one class (tests/router/test_router.py), and the
-portable layout gives the same bits on every CPU family -- checked here against bits recorded
-on another machine (``data/portable_numerics.json``: an AVX2-only AMD EPYC). Run where the CPU
-has AVX512-BF16, this compares the portable layout there with the AVX2 machine's; the
-default layout there (pairs) is a different class."""
+portable layout gives the same bits on every CPU family.
+
+Two checks of the last: the portable layout's greedy run against bits recorded on another
+machine (``data/portable_numerics.json``), and the same run and the sampler's every float under
+each ATen CPU capability this CPU has (an AVX-512 machine runs PyTorch's AVX2 kernels too, with
+``ATEN_CPU_CAPABILITY=avx2``, as an AVX2-only CPU would). PyTorch's ``softmax`` and
+``log_softmax`` differed in the last bit between the two (they sum in the kernel's vector
+width); the sampler writes them out in ops that do not (engine/sampler.py::log_softmax)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
+import torch
+from numerics_bits import bits, engine, sampler_digest
 
 from engine import kernels
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 GOLDEN = Path(__file__).parent / "data" / "portable_numerics.json"
-PROMPTS = [[5, 17, 99, 3, 250, 7, 11], list(range(40, 90))]
+SCRIPT = Path(__file__).parent / "numerics_bits.py"
+ROOT = Path(__file__).parents[2]
 
 
-def engine(path: Path, layout: str) -> LLMEngine:
-    config = EngineConfig(dtype="bfloat16", kv_cache_bytes=4 * 2**20, invariant_layout=layout)
-    return LLMEngine.from_checkpoint(path, config)
+def capabilities() -> list[str]:
+    """The ATen CPU capabilities this CPU runs: AVX2 (every CPU Tandem supports) and, where the
+    CPU has it, AVX-512."""
+    best = torch.backends.cpu.get_cpu_capability()
+    return ["avx2", "avx512"] if best.startswith("AVX512") else ["avx2"]
 
 
-def bits(path: Path, layout: str) -> dict[str, Any]:
-    """Greedy 24 tokens of each prompt: ids, and each logprob and top-2 value as float hex."""
-    e = engine(path, layout)
-    greedy = SamplingParams(temperature=0.0, max_tokens=24, logprobs=2, ignore_eos=True)
-    outs = e.generate(PROMPTS, greedy)
-    return {
-        "numerics": e.runner.model.numerics,
-        "tokens": [o.token_ids for [o] in outs],
-        "logprobs": [
-            [[lp.logprob.hex(), *(v.hex() for _, v in lp.top)] for lp in o.logprobs or []]
-            for [o] in outs
-        ],
-    }
+def under(capability: str, *args: str) -> str:
+    """``numerics_bits.py args`` run with PyTorch's kernels for ``capability``; its output."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip().splitlines()[-1]
 
 
 def checkpoint_digest(path: Path) -> str:
@@ -59,3 +67,17 @@ def test_the_portable_layout_gives_the_recorded_bits_on_this_cpu(bf16_llama: Pat
     golden = json.loads(GOLDEN.read_text())
     assert checkpoint_digest(bf16_llama) == golden["checkpoint_sha256"]
     assert bits(bf16_llama, "columns") == golden["bits"]
+
+
+@pytest.mark.parametrize("capability", capabilities())
+def test_the_portable_layout_gives_the_recorded_bits_under_each_capability(
+    bf16_llama: Path, capability: str
+) -> None:
+    golden: dict[str, Any] = json.loads(GOLDEN.read_text())
+    assert json.loads(under(capability, "model", str(bf16_llama))) == golden["bits"]
+
+
+@pytest.mark.parametrize("capability", capabilities())
+def test_the_sampler_computes_the_same_bits_under_each_capability(capability: str) -> None:
+    """Every probability the draw reads, every logprob: what this process computes."""
+    assert under(capability, "sampler") == sampler_digest()

@@ -18,7 +18,7 @@ from helpers import assert_engine_clean
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import TokenDelta
-from engine.sampler import token_logprobs
+from engine.sampler import log_softmax, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.tokenizer import Tokenizer
 
@@ -164,4 +164,4 @@ def test_a_rank_is_the_place_in_the_top_order() -> None:
     lps = token_logprobs(logits, [2, 1, 3], [2, 0, 1])
     assert [lp.rank for lp in lps] == [2, 1, 4]
     assert [[t for t, _ in lp.top] for lp in lps] == [[1, 2], [], [1]]
-    assert lps[0].logprob == lps[0].top[1][1] == float(torch.log_softmax(logits[0], -1)[2])
+    assert lps[0].logprob == lps[0].top[1][1] == float(log_softmax(logits[0])[2])

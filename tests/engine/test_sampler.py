@@ -27,6 +27,7 @@ from engine.sampler import (
     SamplingSnapshot,
     SamplingState,
     _draw,
+    log_softmax,
     min_p_mask,
     top_k_mask,
     top_p_mask,
@@ -451,7 +452,7 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
     states = [state(params[0], prompt=[1]), state(params[1])]
     out = Sampler(5)(logits, states)
     assert out.token_ids[0] == 3  # the penalty moved the greedy choice off token 1
-    raw = torch.log_softmax(logits[0], -1).tolist()
+    raw = log_softmax(logits[0]).tolist()
     entry = out.logprobs[0]
     assert entry is not None and out.logprobs[1] is None
     assert entry.logprob == raw[3]
@@ -461,7 +462,7 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
     assert (
         entry is not None
         and entry.top == []
-        and entry.logprob == torch.log_softmax(logits[1], -1)[4].item()
+        and entry.logprob == log_softmax(logits[1])[4].item()
     )
 
 
@@ -513,7 +514,7 @@ def test_logprobs_top_lists_have_each_rows_own_length() -> None:
     states = [state(SamplingParams(temperature=0.0, logprobs=n)) for n in (0, 1, 3)]
     out = Sampler(4)(logits, states)
     assert out.token_ids == [3, 0, 2]
-    raw = [torch.log_softmax(row, -1).tolist() for row in logits]
+    raw = [log_softmax(row).tolist() for row in logits]
     entries = out.logprobs
     assert all(e is not None for e in entries)
     assert [e.logprob for e in entries if e is not None] == [raw[0][3], raw[1][0], raw[2][2]]
