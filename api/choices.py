@@ -29,6 +29,7 @@ from api.responses_api import ResponseEvents, error_event, event_sse
 from api.tools import ToolCallParser
 from api.translate import Job
 from cluster.coordinator import ClientRecord, Coordinator
+from cluster.prompt_share import prompt_shares
 from cluster.retry import GiveUp, RetriesExhausted
 from contracts.routing import UNAVAILABLE_RETRY_AFTER_S, AdmissionRefused, Refusal
 from engine.outputs import TokenDelta, TokenLogprobs
@@ -277,7 +278,7 @@ class Choices:
             )
             timing = _Timing(self.metrics, job, index)
             outcome: Exception | None = None  # None: the choice finished
-            run = self.coordinator.generate(spec)
+            run = self.coordinator.generate(spec, shares[index])
             try:
                 # Closed on the way out, so a cancelled choice's CANCELLED record is in by
                 # the time it is observed (its generator may sit at a yield, not at an await).
@@ -291,6 +292,7 @@ class Choices:
                 timing.done(run.record)
             await ready.put((index, outcome))
 
+        shares = prompt_shares([tuple(p) for p in job.prompts])
         tasks = [asyncio.ensure_future(run_choice(i)) for i in range(len(job.prompts))]
         try:
             running = len(tasks)

@@ -336,11 +336,15 @@ def summary(path: str, rate: float, rounds: list[list[Sample]]) -> dict[str, Any
 
 
 async def direct_coordinator(
-    topology: Topology, model_dir: Path, reserve_decode: bool | None = None
+    topology: Topology,
+    model_dir: Path,
+    reserve_decode: bool | None = None,
+    share_prompts: bool | None = None,
 ) -> tuple[Coordinator, int]:
     """A coordinator over the deployment's own router and workers (looked up by name), built
-    as ``tandem.launch.start_cluster`` builds the ingress's (``reserve_decode``: instead of the
-    topology's router.reserve_decode_first); and the model's vocabulary size."""
+    as ``tandem.launch.start_cluster`` builds the ingress's (``reserve_decode``,
+    ``share_prompts``: instead of the topology's router.reserve_decode_first and
+    router.share_prompts); and the model's vocabulary size."""
     router = RouterClient(ray.get_actor(ROUTER_NAME, namespace=NAMESPACE))
     workers = {
         s.name: WorkerClient(ray.get_actor(s.name, namespace=NAMESPACE)) for s in topology.workers()
@@ -354,6 +358,7 @@ async def direct_coordinator(
         topology.retry,
         topology.router.admission.unavailable_wait_s,
         topology.router.reserve_decode_first if reserve_decode is None else reserve_decode,
+        topology.router.share_prompts if share_prompts is None else share_prompts,
     )
     return coordinator, infos[0].vocab_size
 

@@ -42,6 +42,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from cluster.client_stream import AttemptFailed, ClientStream, FailureReason
+from cluster.prompt_share import PromptShare
 from cluster.retry import Exclusions, GiveUp, RetriesExhausted, RetryBudget, RetryPolicy
 from cluster.token_stream import Hub, Inbox
 from contracts.actors import RouterClient, WorkerClient
@@ -197,8 +198,12 @@ class Coordinator:
         retry: RetryPolicy,
         unavailable_wait_s: float,
         reserve_decode: bool = True,
+        share_prompts: bool = True,
     ) -> None:
         self.router = router
+        # The choices of an n > 1 request prefill their prompt once (cluster/prompt_share.py;
+        # the topology's router.share_prompts).
+        self.share_prompts = share_prompts
         # Reserve the decode worker's slot and blocks before the prefill starts (the topology's
         # router.reserve_decode_first).
         self.reserve_decode = reserve_decode
@@ -221,17 +226,18 @@ class Coordinator:
 
     # -- the client API ------------------------------------------------------------------------
 
-    def generate(self, request: EngineRequest) -> RequestRun:
+    def generate(self, request: EngineRequest, share: PromptShare | None = None) -> RequestRun:
         """Drive ``request`` (one choice of a client request) through the cluster; iterate the
-        result for the client's deltas."""
+        result for the client's deltas. ``share``: the choices with its prompt, which prefill
+        it once (cluster/prompt_share.py)."""
         if request.params.n != 1:
             raise ValueError(f"n={request.params.n}: the cluster serves n=1 per request")
         run = RequestRun()
-        run.start(self._drive(request, run))
+        run.start(self._drive(request, run, share if self.share_prompts else None))
         return run
 
     async def _drive(
-        self, spec: EngineRequest, run: RequestRun
+        self, spec: EngineRequest, run: RequestRun, share: PromptShare | None
     ) -> AsyncGenerator[TokenDelta, None]:
         stream = ClientStream(spec)
         self.budget.admitted()
@@ -239,7 +245,11 @@ class Coordinator:
         exclusions = Exclusions()
         status, error = RequestStatus.FAILED, None
         refused = False  # some replica's admission refused it (and is excluded since)
+        lead = share if share is not None and share.leads(spec.choice) else None
+        shared_on: str | None = None  # the first attempt's decode worker, holding the prompt
         try:
+            if share is not None and lead is None and self._shareable(spec):
+                shared_on = await share.where()
             while True:
                 attempts += 1
                 migrations += bool(stream.tokens)
@@ -252,7 +262,8 @@ class Coordinator:
                     snapshots=spec.params.temperature > 0,
                 )
                 try:
-                    async for delta in self._run_attempt(attempt, stream, exclusions):
+                    shared, shared_on = shared_on, None  # a retry is routed as any request
+                    async for delta in self._run_attempt(attempt, stream, exclusions, shared, lead):
                         yield delta
                     timed_out = stream.finish_reason is FinishReason.DEADLINE
                     status = RequestStatus.TIMED_OUT if timed_out else RequestStatus.FINISHED
@@ -289,31 +300,51 @@ class Coordinator:
             status, error = RequestStatus.CANCELLED, None
             raise
         finally:
-            record = ClientRecord(
-                request_id=spec.request_id,
-                choice=spec.choice,
-                status=status,
-                finish_reason=stream.finish_reason
-                if status is not RequestStatus.CANCELLED
-                else None,
-                num_prompt_tokens=len(spec.prompt_token_ids),
-                num_output_tokens=len(stream.tokens),
-                attempts=attempts,
-                migrations=migrations,
-                arrival=spec.arrival_time or 0.0,
-                first_token=stream.first_token_at,
-                finished=time.time(),
-                queue_time_s=stream.queue_time_s,
-                error=error,
-            )
-            self.records.append(record)
-            run.record = record
+            if lead is not None:
+                lead.found(None)  # it ended: the choices still waiting prefill on their own
+            run.record = self._record(spec, stream, status, error, attempts, migrations)
+
+    def _record(
+        self,
+        spec: EngineRequest,
+        stream: ClientStream,
+        status: RequestStatus,
+        error: str | None,
+        attempts: int,
+        migrations: int,
+    ) -> ClientRecord:
+        """The request's one ClientRecord, kept in ``records``."""
+        record = ClientRecord(
+            request_id=spec.request_id,
+            choice=spec.choice,
+            status=status,
+            finish_reason=stream.finish_reason if status is not RequestStatus.CANCELLED else None,
+            num_prompt_tokens=len(spec.prompt_token_ids),
+            num_output_tokens=len(stream.tokens),
+            attempts=attempts,
+            migrations=migrations,
+            arrival=spec.arrival_time or 0.0,
+            first_token=stream.first_token_at,
+            finished=time.time(),
+            queue_time_s=stream.queue_time_s,
+            error=error,
+        )
+        self.records.append(record)
+        return record
 
     # -- one attempt ---------------------------------------------------------------------------
 
     async def _run_attempt(
-        self, attempt: EngineRequest, stream: ClientStream, exclusions: Exclusions
+        self,
+        attempt: EngineRequest,
+        stream: ClientStream,
+        exclusions: Exclusions,
+        share_decode: str | None = None,
+        lead: PromptShare | None = None,
     ) -> AsyncGenerator[TokenDelta, None]:
+        """``share_decode``: the decode worker holding the prompt (a later choice's first
+        attempt); ``lead``: this choice's decode worker is where the others find its prompt,
+        once it streams (its KV is in then)."""
         spec = attempt
         tokens = spec.prompt_token_ids + spec.resume_output
         # A request scoring its prompt computes all of it (no prefix hit): no cache credit.
@@ -332,6 +363,7 @@ class Coordinator:
             client_request_id=spec.request_id,
             numerics=exclusions.numerics,
             holder=self.consumer,
+            share_decode=share_decode,
         )
         decision = await self._admit(route, spec.deadline)
         aid = attempt.key
@@ -344,6 +376,8 @@ class Coordinator:
             if decision.prefill is None:  # colocated, or prefill on the decode worker
                 await self._await(decode.start_generate(attempt, self.consumer), decision.decode)
                 async for delta in self._deliver(inbox, decision.decode, stream):
+                    if lead is not None:
+                        lead.found(decision.decode)
                     yield delta
                 over = True
                 return
@@ -365,6 +399,8 @@ class Coordinator:
             # worker: that one's FAILED ends the attempt too (a partitioned sender never ends
             # the pull by itself).
             async for delta in self._deliver(inbox, decision.decode, stream, decision.prefill):
+                if lead is not None:
+                    lead.found(decision.decode)
                 yield delta
             over = True
         finally:
@@ -510,8 +546,17 @@ class Coordinator:
             logger.warning("could not tell the router that %s failed", worker, exc_info=True)
 
     def _hashes(self, tokens: tuple[int, ...], cache_salt: str) -> list[int]:
-        block_size = next(iter(self.infos.values())).block_size
-        return prefix_hashes(tokens, block_size, cache_salt, self.model_id)
+        return prefix_hashes(tokens, self._block_size(), cache_salt, self.model_id)
+
+    def _block_size(self) -> int:
+        return next(iter(self.infos.values())).block_size
+
+    def _shareable(self, spec: EngineRequest) -> bool:
+        """Whether a later choice gains from its lead's prompt: a full block to share, and no
+        prompt scoring (which computes the whole prompt)."""
+        return (
+            spec.params.prompt_logprobs is None and len(spec.prompt_token_ids) > self._block_size()
+        )
 
 
 def _marked_failed(worker: str) -> AttemptFailed:

@@ -453,8 +453,11 @@ class EngineWorker:
 
     # -- inspection (tests, the chaos harness) ------------------------------------------------
 
-    async def kv_stats(self) -> KVStats:
-        await self.engine.wait_idle()
+    async def kv_stats(self, settled: bool = True) -> KVStats:
+        """The KV pools once the engine is idle (``settled``), or as of its last tick (a
+        benchmark's live reading: bench/choices_bench.py)."""
+        if settled:
+            await self.engine.wait_idle()
         return self.engine.kv_stats()
 
     async def records(self) -> list[TerminalRecord]:

@@ -163,6 +163,10 @@ class RouteRequest:
     # The numerics class every replica must be of: that of the workers whose tokens the client
     # already has (a migration keeps the stream's bits); "" any.
     numerics: str = ""
+    # A later choice of an n > 1 request: the decode worker holding its first choice's prompt
+    # KV. Eligible there, it prefills locally on the prompt's cached blocks (one prefill for
+    # the n choices, the prompt's blocks shared); otherwise it is routed as any request.
+    share_decode: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_prompt_tokens < 1:

@@ -15,6 +15,7 @@ model runner through :class:`engine.batch.SchedulerOutput`.
 from __future__ import annotations
 
 import struct
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -138,11 +139,24 @@ class KVCacheManager:
     # -- phase-2 admission: accounting only (docs/design.md#admission, #admission-phase-2) --
 
     def _claims(self, exclude: str | None = None) -> int:
-        """Sum over requests of max(reserved, held) blocks, leaving out ``exclude``."""
+        """Sum over requests of max(reserved, held) blocks, leaving out ``exclude``, with a full
+        block that several of them hold counted once: n choices of one prompt (a fork, or
+        siblings hitting its cached blocks) claim the prompt once and the output n times
+        (cheatsheet §4.2). A shared partial block counts per holder: each will copy it."""
         ids = self._reserved.keys() | self._seqs.keys()
-        return sum(
-            max(self._reserved.get(r, 0), self.num_held_blocks(r)) for r in ids if r != exclude
-        )
+        claims = held = 0
+        for r in ids:
+            mine = self.num_held_blocks(r)
+            held += mine
+            if r != exclude:
+                claims += max(self._reserved.get(r, 0), mine)
+        if held == self.pool.num_in_use:  # no block held twice: nothing shared (the fast path)
+            return claims
+        holders: Counter[int] = Counter()
+        for r, seq in self._seqs.items():
+            if r != exclude:
+                holders.update(seq.blocks[: seq.num_slots // self.block_size])
+        return claims - sum(n - 1 for n in holders.values())
 
     def reserve(self, request_id: str, num_tokens: int) -> bool:
         """Reserve blocks for ``num_tokens`` total tokens; replaces an earlier reservation.
@@ -238,8 +252,9 @@ class KVCacheManager:
                 return None
             if seq is None:
                 seq = self._seqs[rid] = _Seq(extra_keys=self._extra_keys(request))
-                self._prefix_query_tokens += request.num_tokens
-                self._prefix_hit_tokens += len(computed) * bs
+                if cache:  # a lookup; imported KV (not cached until checked) is none
+                    self._prefix_query_tokens += request.num_tokens
+                    self._prefix_hit_tokens += len(computed) * bs
             self.pool.incref(computed)
             seq.blocks = table
             new_blocks = self._take_blocks(table, cow, num_grow, start)

@@ -80,6 +80,13 @@ class RouterConfig(ConfigSection):
         "false: the prefill starts first and the decode side parks the import until it has "
         "room (kept to measure what the reservation costs: bench/reserve_bench.py)",
     )
+    share_prompts: bool = Field(
+        True,
+        description="the n choices of a request prefill their prompt once: the first on a "
+        "prefill worker, the others on its decode worker, on the cached prompt blocks they then "
+        "share (cluster/prompt_share.py); false: each choice prefills on its own (kept to "
+        "measure what sharing saves: bench/choices_bench.py)",
+    )
     admission: AdmissionConfig = Field(
         default_factory=AdmissionConfig,
         description="the cluster's admission queue (router/admission.py)",

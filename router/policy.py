@@ -12,6 +12,10 @@ Modes (checked in this order):
 - **disaggregated**: the cheapest prefill replica, then the cheapest decode replica given the
   prefill's failure domain.
 
+Before these: a later choice of an n > 1 request names the decode replica that holds its first
+choice's prompt KV (``share_decode``); while that replica is eligible it prefills there, locally,
+on the cached prompt (local_prefill; in a colocated pool, that replica), whatever its cost.
+
 Cost (lowest wins), with ``load = queue_depth + num_running + promised_seqs`` (requests ahead
 of this one, counting those the router granted that the worker has not reported yet)::
 
@@ -90,11 +94,14 @@ def choose(
 
     if not by_role[Role.PREFILL] and not by_role[Role.DECODE] and by_role[Role.COLOCATED]:
         pool = _eligible(Role.COLOCATED, by_role[Role.COLOCATED], request, skipped)
-        scores = _prompt_scores(pool, hits, request, config)
+        scores = _prompt_scores(_shared(pool, request) or pool, hits, request, config)
         chosen = _pick(scores)
         return _one_replica(request, Mode.COLOCATED, chosen, scores, skipped)
 
     decoders = _eligible(Role.DECODE, by_role[Role.DECODE], request, skipped)
+    if shared := _shared(decoders, request):  # a later choice of n > 1: where its prompt is
+        scores = _prompt_scores(shared, hits, request, config)
+        return _one_replica(request, Mode.LOCAL_PREFILL, scores[0], scores, skipped)
     if _may_prefill_locally(decoders, hits, request, config):
         local = _prompt_scores(decoders, hits, request, config)
         fits = [s for s in local if s.uncached_tokens <= config.local_prefill_max_tokens]
@@ -155,6 +162,11 @@ def _eligible(
     if not eligible:
         raise NoReplicaAvailable(role.value, request.request_id, reasons)
     return eligible
+
+
+def _shared(pool: list[WorkerState], request: RouteRequest) -> list[WorkerState]:
+    """The eligible worker holding the prompt of the request's first choice (n > 1), if any."""
+    return [w for w in pool if w.name == request.share_decode]
 
 
 def _paired(

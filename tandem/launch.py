@@ -205,6 +205,7 @@ async def start_cluster(topology: Topology, model_dir: Path | None = None) -> Cl
         topology.retry,
         topology.router.admission.unavailable_wait_s,
         topology.router.reserve_decode_first,
+        topology.router.share_prompts,
     )
     await router.wait_ready(READY_TIMEOUT_S)
     return Cluster(topology, router, workers, by_name, transport, coordinator)

@@ -459,6 +459,31 @@ def test_claim_is_max_of_reserved_and_held() -> None:
     assert kv.reservable_tokens() == 40
 
 
+def test_full_blocks_held_by_several_requests_are_claimed_once() -> None:
+    """Cheatsheet §4.2: n choices of one prompt claim the prompt once. Siblings hitting a
+    running request's cached blocks and a fork share full blocks (claimed once); a shared
+    partial tail is claimed per holder (each will copy it)."""
+    kv = KVCacheManager(20, 4)
+    prompt = list(range(10))  # 2 full blocks + a partial one
+    a, b = req("a", prompt), req("b", prompt)
+    assert kv.reserve("a", 12) and kv.reserve("b", 12)  # 3 blocks each
+    prefill(kv, a)
+    prefill(kv, b)  # hits a's two full blocks, its own tail
+    assert kv.block_table("b")[:2] == kv.block_table("a")[:2]
+    assert kv.stats().in_use_blocks == 4
+    assert kv.claimed_blocks() == 3 + 3 - 2
+    assert kv.reservable_tokens() == (20 - 4) * 4
+    kv.fork("a", "a#1")  # shares a's full blocks and its partial tail
+    # The two full blocks once; a's tail twice (a#1 will copy it); b's tail.
+    assert kv.claimed_blocks() == 2 + 2 + 1
+    assert kv.reserve("c", 4 * (20 - 5))
+    assert not kv.reserve("d", 1)
+    for rid in ("a", "a#1", "b", "c"):
+        kv.free(rid)
+    assert kv.claimed_blocks() == 0
+    kv.check_idle()
+
+
 def test_cached_free_blocks_count_as_reservable() -> None:
     kv = KVCacheManager(4, 4)
     prefill(kv, req("a", list(range(16))))
@@ -666,6 +691,8 @@ def test_imported_kv_is_cached_only_once_verified() -> None:
     kv.cache_computed(r)  # repeats are no-ops
     assert kv.get_computed_blocks(probe) == ([0, 1], 8)
     kv.cache_computed(req("unknown", [1]))
+    # An import is no lookup: a decode worker's hit ratio counts only its own prefills.
+    assert (kv.stats().prefix_query_tokens, kv.stats().prefix_hit_tokens) == (0, 0)
     kv.free("a")
     kv.check_idle()
 

@@ -9,6 +9,8 @@ writer holds alone and whose earlier slots hold the writer's own prefix.
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -128,11 +130,20 @@ class KVMachine(RuleBasedStateMachine):
         need = self.kv.blocks_for(num_tokens)
         others = sum(
             max(self.reserved.get(o, 0), self.kv.num_held_blocks(o)) for o in self.reqs if o != rid
-        )
+        ) - self._shared_full_blocks(exclude=rid)
         fits = others + max(need, self.kv.num_held_blocks(rid)) <= NUM_BLOCKS
         assert self.kv.reserve(rid, num_tokens) == fits
         if fits:
             self.reserved[rid] = need
+
+    def _shared_full_blocks(self, exclude: str) -> int:
+        """Claims a full block held by k requests other than ``exclude`` saves: k - 1."""
+        holders: Counter[int] = Counter()
+        for o, r in self.reqs.items():
+            if o != exclude and self.kv.num_held_blocks(o):
+                full = r.num_computed_tokens // BLOCK_SIZE
+                holders.update(self.kv.block_table(o)[:full])
+        return sum(k - 1 for k in holders.values())
 
     @precondition(lambda self: self._ids("new"))
     @rule(pick=st.integers(0, 99), chunk=st.integers(1, 8))

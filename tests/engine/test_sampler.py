@@ -460,9 +460,7 @@ def test_logprobs_are_of_the_raw_distribution() -> None:
     only_chosen = state(SamplingParams(temperature=0.0, logprobs=0))
     entry = Sampler(5)(logits[1:], [only_chosen]).logprobs[0]
     assert (
-        entry is not None
-        and entry.top == []
-        and entry.logprob == log_softmax(logits[1])[4].item()
+        entry is not None and entry.top == [] and entry.logprob == log_softmax(logits[1])[4].item()
     )
 
 

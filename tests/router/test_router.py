@@ -330,6 +330,41 @@ def test_local_prefill_needs_no_prefill_replica() -> None:
         choose(request(PROMPT), workers, PrefixIndex(), RouterConfig())
 
 
+def test_a_later_choice_prefills_on_the_decode_worker_holding_its_prompt() -> None:
+    """n > 1: a later choice goes where its first choice's prompt KV is (local prefill on the
+    cached blocks), however long the prompt and whoever is cheaper; while that worker is not
+    eligible (FAILED, excluded, full) it is routed as any request."""
+    index = PrefixIndex()
+    store(index, "decode-1", PROMPT)
+    workers = [worker("prefill-0"), worker("decode-0"), worker("decode-1", load=5)]
+    shared = request(PROMPT, share_decode="decode-1")
+    at = choose(shared, workers, index, NO_LOCAL)
+    assert (at.mode, at.prefill, at.decode, at.hit_blocks, at.uncached_tokens) == (
+        Mode.LOCAL_PREFILL,
+        None,
+        "decode-1",
+        10,
+        1,
+    )
+    assert [s.name for s in at.scores] == ["decode-1"]
+    alone = (Mode.DISAGGREGATED, "prefill-0", "decode-0")
+    plain = choose(request(PROMPT), workers, index, NO_LOCAL)
+    assert (plain.mode, plain.prefill, plain.decode) == alone
+    for gone in (
+        [worker("prefill-0"), worker("decode-0"), worker("decode-1", healthy=False)],
+        [worker("prefill-0"), worker("decode-0"), worker("decode-1", max_num_seqs=0)],
+    ):
+        moved = choose(shared, gone, index, NO_LOCAL)
+        assert (moved.mode, moved.prefill, moved.decode) == alone
+    excluded = request(PROMPT, share_decode="decode-1", exclude_workers=frozenset({"decode-1"}))
+    moved = choose(excluded, workers, index, NO_LOCAL)
+    assert (moved.mode, moved.prefill, moved.decode) == alone
+    pool = [worker("colocated-0"), worker("colocated-1", load=5)]
+    colocated = choose(request(PROMPT, share_decode="colocated-1"), pool, index, NO_LOCAL)
+    assert (colocated.mode, colocated.decode) == (Mode.COLOCATED, "colocated-1")
+    assert choose(request(PROMPT), pool, index, NO_LOCAL).decode == "colocated-0"
+
+
 def test_colocated_topology_picks_one_replica() -> None:
     index = PrefixIndex()
     store(index, "colocated-1", PROMPT)
