@@ -179,4 +179,5 @@ def worker_view(s: WorkerState) -> dict[str, Any]:
         "cached_blocks": s.cached_blocks,
         "prefix_hit_ratio": s.report.prefix_hit_ratio,
         "numerics": s.info.numerics,  # its numerics class: requests never cross one
+        "cpu_capability": s.info.cpu_capability,
     }

@@ -202,6 +202,7 @@ class EngineWorker:
             num_kv_blocks=self.engine.kv.num_kv_blocks,
             admission_output_tokens=self.engine.config.admission_output_tokens,
             numerics=self.engine.numerics,
+            cpu_capability=torch.backends.cpu.get_cpu_capability(),
         )
 
     async def set_faults(self, plan: FaultPlan) -> None:

@@ -47,6 +47,10 @@ class WorkerInfo:
     # Which bits its engine computes (engine.model.DecoderModel.numerics): the router pairs a
     # prefill with a decode worker, and migrates a stream, only within one class ("": unknown).
     numerics: str = ""
+    # The CPU kernels PyTorch runs there (torch.backends.cpu.get_cpu_capability(): AVX2,
+    # AVX512, ...): not part of the class -- the invariant layouts give the same bits under each
+    # (docs/design.md#numerics-classes) -- but what an operator mixing CPU families looks at.
+    cpu_capability: str = ""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

@@ -262,6 +262,8 @@ def _start_worker(
     )
     if spec.memory_bytes is not None:
         placement["memory"] = spec.memory_bytes
+    if spec.env:
+        placement["runtime_env"] = {"env_vars": spec.env}
     return (
         ray.remote(cls)
         .options(

@@ -13,7 +13,7 @@ time instead of halfway through bringing up a cluster.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -133,6 +133,12 @@ class PoolSpec(ConfigSection):
         description="share of a worker's memory, once the model's weights are loaded, that "
         "becomes its KV cache when engine.kv_cache_bytes is left out",
     )
+    env: dict[str, str] = Field(
+        default_factory=dict,
+        description="environment variables of each worker's process (Ray runtime_env): e.g. "
+        "ATEN_CPU_CAPABILITY: avx2 runs PyTorch's AVX2 kernels on an AVX-512 machine, as an "
+        "AVX2-only CPU does (tests/e2e/test_cpu_families.py)",
+    )
 
     @field_validator("domains")
     @classmethod
@@ -184,6 +190,7 @@ class WorkerSpec:
     engine: EngineConfig
     memory_bytes: int | None = None  # what Ray reserves for it (tandem/sizing.py)
     kv_memory_fraction: float = 0.5
+    env: dict[str, str] = field(default_factory=dict)  # its process's environment variables
 
 
 class Topology(ConfigSection):
@@ -313,6 +320,7 @@ class Topology(ConfigSection):
                         engine=engine,
                         memory_bytes=pool.memory_bytes,
                         kv_memory_fraction=pool.kv_memory_fraction,
+                        env=dict(pool.env),
                     )
                 )
         return out

@@ -450,6 +450,7 @@ def test_worker_view_names_the_state_and_every_field() -> None:
         num_kv_blocks=100,
         cached_blocks=7,
         numerics="bfloat16/invariant/columns",
+        cpu_capability="AVX2",
     )
     assert worker_view(s) == {
         "name": "decode-1",
@@ -464,6 +465,7 @@ def test_worker_view_names_the_state_and_every_field() -> None:
         "cached_blocks": 7,
         "prefix_hit_ratio": 0.5,
         "numerics": "bfloat16/invariant/columns",
+        "cpu_capability": "AVX2",
     }
     starting = worker_state("decode-0", Role.DECODE, "a", healthy=False)
     assert worker_view(starting)["state"] == "starting"
