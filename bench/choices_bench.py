@@ -36,6 +36,7 @@ loopback_env()  # before ray is imported
 import ray  # noqa: E402
 
 from api.translate import choice_params  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from bench.serve_bench import RESULTS, direct_coordinator, log, on_local_deployment  # noqa: E402
 from cluster.coordinator import Coordinator  # noqa: E402
 from cluster.prompt_share import prompt_shares  # noqa: E402
@@ -201,15 +202,7 @@ def main() -> None:
     block_size = rows[0]["block_size"]
     report(rows, block_size)
     RESULTS.mkdir(exist_ok=True)
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in open("/proc/cpuinfo")
-            if ln.startswith("model name")
-        ),
-        "?",
-    )
-    out = {"args": vars(args), "cpu": cpu, "block_size": block_size, "rows": rows}
+    out = {"args": vars(args), "cpu": cpu_name(), "block_size": block_size, "rows": rows}
     (RESULTS / "choices_bench.json").write_text(json.dumps(out, indent=2))
     plot(rows, RESULTS / "choices_bench.png")
     log(f"wrote {RESULTS / 'choices_bench.json'} and choices_bench.png")

@@ -63,6 +63,7 @@ from bench.grammar_engines import (
     load_engines,
     log,
 )
+from bench.machine import cpu_name
 from bench.structured_bench import SCHEMA
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -401,14 +402,7 @@ def import_seconds(module: str) -> float | None:
 
 
 def environment(engines: Sequence[Engine]) -> dict[str, Any]:
-    cpu = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor(),
-    )
+    cpu = cpu_name()
     versions: dict[str, str | None] = {}
     deps: dict[str, list[str]] = {}
     for dist in (

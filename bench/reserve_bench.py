@@ -37,6 +37,7 @@ import aiohttp  # noqa: E402
 import ray  # noqa: E402
 
 from api import protocol, translate  # noqa: E402
+from bench.machine import cpu_name  # noqa: E402
 from bench.serve_bench import (  # noqa: E402
     RESULTS,
     WARMUP_REQUESTS,
@@ -187,16 +188,8 @@ def main() -> None:
     rows = on_local_deployment(model_dir, lambda _, topology: measure(args, topology, model_dir))
     added = report(rows)
     RESULTS.mkdir(exist_ok=True)
-    cpu = next(
-        (
-            ln.split(":", 1)[1].strip()
-            for ln in open("/proc/cpuinfo")
-            if ln.startswith("model name")
-        ),
-        "?",
-    )
     out: dict[str, Any] = {"args": vars(args) | {"rates": [str(r) for r in args.rates]}}
-    out["cpu"] = cpu
+    out["cpu"] = cpu_name()
     out |= {"passes": rows, "ttft_added": added, "ttft_target": TTFT_TARGET}
     (RESULTS / "reserve_bench.json").write_text(json.dumps(out, indent=2, default=str))
     plot(rows, RESULTS / "reserve_bench.png")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.machine import cpu_name
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import Constraint, SamplingParams
@@ -102,10 +103,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     model = ensure_smollm2()
-    cpu = next(
-        ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")
-    )
-    out: dict[str, Any] = {"args": vars(args), "cpu": cpu, "rows": []}
+    out: dict[str, Any] = {"args": vars(args), "cpu": cpu_name(), "rows": []}
     out |= compile_times()
     for n in args.batches:
         engine = LLMEngine.from_checkpoint(
@@ -143,7 +141,7 @@ def main() -> None:
                     "runs": [t * 1e3 for t in by[w]],
                 }
             )
-    print(f"\nCPU: {cpu}; SmolLM2-135M-Instruct bf16; llguidance")
+    print(f"\nCPU: {out['cpu']}; SmolLM2-135M-Instruct bf16; llguidance")
     print(
         f"compile of the 20-field schema: cold {out['compile_cold_ms']:.2f} ms, cached {out['compile_cached_ms']:.4f} ms; matcher {out['matcher_ms']:.2f} ms; first mask {out['first_mask_ms']:.2f} ms"
     )

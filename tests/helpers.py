@@ -9,7 +9,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
@@ -239,3 +239,25 @@ def report_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
     """The run's ``requests.jsonl``: a row per request."""
     lines = (run["out"] / "requests.jsonl").read_text().splitlines()
     return [json.loads(line) for line in lines]
+
+
+def clear_faults(workers: Sequence[str]) -> None:
+    """Each of ``workers`` (actors in Tandem's namespace) back without faults and idle: P1 on
+    its pools. A crashed one restarts: wait for it (up to 2 minutes)."""
+    import ray
+    from ray.exceptions import ActorUnavailableError
+
+    from contracts.faults import FaultPlan
+    from contracts.roles import NAMESPACE
+
+    for name in workers:
+        actor = ray.get_actor(name, namespace=NAMESPACE)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                ray.get(actor.set_faults.remote(FaultPlan()), timeout=60)
+                ray.get(actor.check_idle.remote(), timeout=60)
+                break
+            except ActorUnavailableError:
+                assert time.monotonic() < deadline, f"{name} did not come back"
+                time.sleep(0.2)

@@ -9,7 +9,6 @@ shows nothing more than the other e2e tests."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import openai
 import pytest
 import ray
 import torch
-from ray.exceptions import ActorUnavailableError
+from helpers import clear_faults
 
 from chaos import probe
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
@@ -97,20 +96,6 @@ def test_a_stream_crossing_cpu_families_keeps_one_engines_bits(
     try:
         moved = completion(client)  # and back: migrated, re-prefilled under AVX2
     finally:
-        clear_faults()
+        clear_faults(WORKERS)
     assert sum(probe.metric(url, "tandem_migrations_total")) == before + 1
     assert moved == crossed
-
-
-def clear_faults() -> None:
-    """Every worker back without faults and idle (a crashed one restarts: wait for it)."""
-    for name in WORKERS:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                ray.get(actor(name).set_faults.remote(FaultPlan()), timeout=60)
-                ray.get(actor(name).check_idle.remote(), timeout=60)
-                break
-            except ActorUnavailableError:
-                assert time.monotonic() < deadline, f"{name} did not come back"
-                time.sleep(0.2)

@@ -6,7 +6,6 @@ whether or not a fault moved them. Over real HTTP through Ray Serve, with the ``
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +13,7 @@ from typing import Any
 import openai
 import pytest
 import ray
-from ray.exceptions import ActorUnavailableError
+from helpers import clear_faults
 
 from chaos import probe
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
@@ -124,20 +123,6 @@ def test_a_choice_moved_by_a_fault_draws_what_it_drew_unmoved(client: openai.Ope
     try:
         got = drawn(choices_of(client, 4))
     finally:
-        clear_faults()
+        clear_faults(WORKERS)
     assert sum(probe.metric(url, "tandem_migrations_total")) == sum(before) + 4
     assert got == want
-
-
-def clear_faults() -> None:
-    """Every worker back without faults and idle (a crashed one restarts: wait for it)."""
-    for name in WORKERS:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                ray.get(actor(name).set_faults.remote(FaultPlan()), timeout=60)
-                ray.get(actor(name).check_idle.remote(), timeout=60)
-                break
-            except ActorUnavailableError:
-                assert time.monotonic() < deadline, f"{name} did not come back"
-                time.sleep(0.2)

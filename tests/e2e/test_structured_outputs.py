@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +19,7 @@ import openai
 import pydantic
 import pytest
 import ray
-from ray.exceptions import ActorUnavailableError
+from helpers import clear_faults
 
 from chaos import probe
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
@@ -156,21 +155,6 @@ def faults_on(workers: tuple[str, ...], fault: Fault) -> None:
         ray.get(actor.set_faults.remote(FaultPlan([fault])), timeout=60)
 
 
-def clear_faults() -> None:
-    """Every worker back without faults and idle (a crashed one restarts: wait for it)."""
-    for name in WORKERS:
-        actor = ray.get_actor(name, namespace=NAMESPACE)
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                ray.get(actor.set_faults.remote(FaultPlan()), timeout=60)
-                ray.get(actor.check_idle.remote(), timeout=60)
-                break
-            except ActorUnavailableError:
-                assert time.monotonic() < deadline, f"{name} did not come back"
-                time.sleep(0.2)
-
-
 def moves(url: str) -> float:
     """Attempts the ingress retried or migrated, so far."""
     names = ("tandem_retries_total", "tandem_migrations_total")
@@ -265,6 +249,6 @@ def test_a_constrained_request_survives_a_worker_killed_exactly(
     try:
         got = request_of(client)
     finally:
-        clear_faults()
+        clear_faults(WORKERS)
     assert moves(url) == before + 1
     assert got == want
