@@ -28,7 +28,7 @@ from api.metrics import Metrics, RequestTiming, log_record
 from api.responses_api import ResponseEvents, error_event, event_sse
 from api.tools import ToolCallParser
 from api.translate import Job
-from cluster.coordinator import ClientRecord, Coordinator
+from cluster.coordinator import ClientRecord, Coordinator, RequestRun
 from cluster.prompt_share import prompt_shares
 from cluster.retry import GiveUp, RetriesExhausted
 from contracts.routing import UNAVAILABLE_RETRY_AFTER_S, AdmissionRefused, Refusal
@@ -278,8 +278,9 @@ class Choices:
             )
             timing = _Timing(self.metrics, job, index)
             outcome: Exception | None = None  # None: the choice finished
-            run = self.coordinator.generate(spec, shares[index])
-            try:
+            run: RequestRun | None = None
+            try:  # a bug anywhere (even starting the run) ends the request, never hangs it
+                run = self.coordinator.generate(spec, shares[index])
                 # Closed on the way out, so a cancelled choice's CANCELLED record is in by
                 # the time it is observed (its generator may sit at a yield, not at an await).
                 async with contextlib.aclosing(run):
@@ -289,7 +290,7 @@ class Choices:
             except Exception as exc:
                 outcome = exc
             finally:  # one record per choice, a cancelled one (the client went away) too
-                timing.done(run.record)
+                timing.done(None if run is None else run.record)
             await ready.put((index, outcome))
 
         shares = prompt_shares([tuple(p) for p in job.prompts])

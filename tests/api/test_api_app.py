@@ -33,7 +33,7 @@ class BrokenTokenizer:
 class OneDelta:
     """A coordinator whose every choice gets one final token, with its logprob."""
 
-    def generate(self, spec: Any) -> AsyncIterator[TokenDelta]:
+    def generate(self, spec: Any, share: Any = None) -> AsyncIterator[TokenDelta]:
         return Run()
 
 
@@ -102,6 +102,23 @@ def test_a_bug_before_the_first_token_is_a_500_error_object(
     assert match is not None, error["message"]
     assert (error["type"], error["param"], error["code"]) == ("internal_error", None, None)
     assert logged_ids(caplog) == [match.group(1)]
+    assert service.gate.in_flight(DEFAULT_TENANT) == 0
+
+
+class BrokenCoordinator:
+    def generate(self, spec: Any, share: Any = None) -> AsyncIterator[TokenDelta]:
+        raise RuntimeError("no run")
+
+
+def test_a_coordinator_that_fails_to_start_a_choice_is_a_500_not_a_hang(
+    client: TestClient, service: Service
+) -> None:
+    """A bug raised by ``Coordinator.generate`` itself (before any token) ends the request."""
+    service.choices.coordinator = BrokenCoordinator()  # type: ignore[assignment]
+    body = {"model": "demo", "prompt": [5, 6], "n": 2}
+    r = client.post("/v1/completions", json=body, timeout=30)
+    assert r.status_code == 500
+    assert r.json()["error"]["message"].startswith("internal error: RuntimeError (request cmpl-")
     assert service.gate.in_flight(DEFAULT_TENANT) == 0
 
 
