@@ -25,7 +25,7 @@ from bench.machine import cpu_name
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import Constraint, SamplingParams
-from engine.structured import allowed_tokens, compile_grammar
+from engine.structured import compile_grammar, token_bitmask
 from tandem.demo import ensure_smollm2
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -120,7 +120,7 @@ def main() -> None:
         out["compile_cached_ms"] = (time.perf_counter() - t1) * 1e3
         out["matcher_ms"] = (t1 - t0) * 1e3
         t0 = time.perf_counter()
-        allowed_tokens([state], engine.model_config.vocab_size)
+        token_bitmask([state], engine.model_config.vocab_size)
         out["first_mask_ms"] = (time.perf_counter() - t0) * 1e3
         step_times(engine, prompt, params_for("free", n, 64), 2)  # warm-up
         by: dict[str, list[float]] = {w: [] for w in WORKLOADS}

@@ -14,6 +14,8 @@ None, logs why once, and callers keep the pure-PyTorch path.
   order whatever the row count): the default linear path (``engine.model.Linear``).
 * ``skinny_linear`` -- bf16-weight GEMM of a few rows at memory bandwidth, for CPUs without
   native bf16 GEMM (used by ``engine.model.Linear`` whenever it builds).
+* ``token_bitmask`` -- a grammar's token bitmask applied to the logits as it is, without
+  unpacking it (structured outputs: ``engine.structured.ban_disallowed``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "paged_decode_attention": ("paged_decode_attention",),
     "skinny_linear": ("skinny_linear",),
     "invariant_linear": ("invariant_linear", "pack_linear", "bf16_pairs_supported"),
+    "token_bitmask": ("apply_token_bitmask",),
 }
 # Most rows skinny_linear takes (its kMaxRows); past it the GEMM is compute-bound.
 SKINNY_MAX_ROWS = 16
@@ -148,3 +151,14 @@ if __name__ == "__main__":  # python -m engine.kernels: build them (setup does)
     logging.basicConfig(level=logging.INFO)
     for kernel, ok in build_all().items():
         print(f"kernel {kernel}: {'built' if ok else 'unavailable (PyTorch path)'}")
+
+
+def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> bool:
+    """Set to -inf, in place, each logit of row ``rows[i]`` of float32 ``logits`` ``[B, V]``
+    whose bit in int32 ``bitmask[i]`` is 0. False (nothing done) where the kernel is not
+    available."""
+    ext = load("token_bitmask")
+    if ext is None:
+        return False
+    ext.apply_token_bitmask(logits, bitmask, rows)
+    return True

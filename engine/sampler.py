@@ -27,11 +27,12 @@ import torch
 import xxhash
 from torch import Tensor
 
+from engine import kernels
 from engine.logits_processors import TokenHistory, needs_processing, process_logits
 from engine.outputs import SamplingSnapshot, TokenLogprobs
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from engine.structured import Grammars, GrammarState, allowed_tokens
+from engine.structured import Grammars, GrammarState, allowed_tokens, token_bitmask
 
 # Cumulative mass within this of the target counts as reaching it, so that float rounding of an
 # exact boundary (0.3 + 0.33 vs typical_p = 0.63) cannot pull in one more token.
@@ -291,14 +292,21 @@ class Sampler:
 def _apply_grammars(logits: Tensor, states: Sequence[SamplingState]) -> None:
     """Mask, in place, every token of float32 ``logits`` [B, V] that row i's grammar does not
     allow next, its matcher first caught up with the row's output (rows without one: as is).
-    The masks of all rows are computed together (``allowed_tokens``) and applied at once."""
+    The masks of all rows are computed together (``token_bitmask``) and applied at once, on CPU
+    by the native kernel reading the bitmask as it is (engine/csrc/token_bitmask.cpp)."""
     rows, grammars = [], []
     for row, state in enumerate(states):
         if state.grammar is not None:
             state.grammar.sync(state.history.output)
             rows.append(row)
             grammars.append(state.grammar)
-    banned = ~torch.from_numpy(allowed_tokens(grammars, logits.shape[1])).to(logits.device)
+    bitmask = token_bitmask(grammars, logits.shape[1])
+    if logits.device.type == "cpu" and kernels.apply_token_bitmask(
+        logits, torch.from_numpy(bitmask), torch.tensor(rows)
+    ):
+        return
+    allowed = allowed_tokens(bitmask, logits.shape[1])  # no native kernels: unpacked
+    banned = ~torch.from_numpy(allowed).to(logits.device)
     if len(rows) == len(states):
         logits.masked_fill_(banned, float("-inf"))
     else:

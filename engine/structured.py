@@ -108,14 +108,19 @@ class GrammarState:
             raise RuntimeError(f"grammar state: {self.matcher.get_error()}")
 
 
-def allowed_tokens(states: Sequence[GrammarState], vocab_size: int) -> NDArray[np.bool_]:
-    """Row i: the tokens ``states[i]`` allows next, as bools [len(states), vocab_size]. The
-    masks are computed together by llguidance's thread pool (the GIL released), one bit per
-    token, then unpacked at once."""
+def token_bitmask(states: Sequence[GrammarState], vocab_size: int) -> NDArray[np.int32]:
+    """Row i: the tokens ``states[i]`` allows next, one bit per token (bit t % 32 of word
+    t // 32, 1 = allowed) [len(states), ceil(vocab_size / 32)]. The masks are computed together
+    by llguidance's thread pool (the GIL released)."""
     words = (vocab_size + 31) // 32
     bitmask = np.zeros((len(states), words), dtype=np.int32)
     rows = [(state.matcher, i) for i, state in enumerate(states)]
     _executor().unsafe_compute_mask_ptr(rows, bitmask.ctypes.data, words * 4, len(states))
+    return bitmask
+
+
+def allowed_tokens(bitmask: NDArray[np.int32], vocab_size: int) -> NDArray[np.bool_]:
+    """``bitmask`` (:func:`token_bitmask`) unpacked: bools [rows, vocab_size]."""
     bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")
     return bits[:, :vocab_size].view(np.bool_)
 

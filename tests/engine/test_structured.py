@@ -12,15 +12,18 @@ from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
+import numpy as np
 import pytest
+import torch
 from helpers import assert_engine_clean
 
+from engine import kernels
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.outputs import TokenDelta
 from engine.request import FinishReason
 from engine.sampling_params import Constraint, SamplingParams
-from engine.structured import InvalidConstraint
+from engine.structured import InvalidConstraint, allowed_tokens
 
 PERSON = {
     "type": "object",
@@ -100,6 +103,49 @@ def test_a_constraint_masks_only_its_own_row(engine: LLMEngine) -> None:
     ]
     assert [o.logprobs for [o] in together][:2] == [free_alone.logprobs, bound_alone.logprobs]
     assert bound_alone.token_ids != free_alone.token_ids
+
+
+@pytest.mark.parametrize("vocab", [32, 1000, 49152])
+def test_the_bitmask_kernel_bans_exactly_the_unpacked_masks_tokens(vocab: int) -> None:
+    """engine/csrc/token_bitmask.cpp against the unpacked mask and masked_fill (the path where
+    the kernels do not build): the same logits bit for bit, rows without a mask untouched;
+    whole words allowed, whole words banned and a vocabulary that ends mid-word included."""
+    if kernels.load("token_bitmask") is None:
+        pytest.skip("no native kernels here: the sampler takes the unpacked path")
+    rng = np.random.default_rng(vocab)
+    words = (vocab + 31) // 32
+    bitmask = rng.integers(-(2**31), 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
+    bitmask[0, ::3] = -1  # every token of the word allowed
+    bitmask[1, 1::3] = 0  # none
+    logits = torch.from_numpy(rng.standard_normal((5, vocab), dtype=np.float32))
+    rows = torch.tensor([4, 0, 2])
+    want = logits.clone()
+    banned = ~torch.from_numpy(allowed_tokens(bitmask, vocab))
+    want[rows] = want[rows].masked_fill(banned, float("-inf"))
+    assert kernels.apply_token_bitmask(logits, torch.from_numpy(bitmask), rows)
+    assert torch.equal(logits, want)
+    with pytest.raises(RuntimeError, match="fewer tokens than the vocabulary"):
+        kernels.apply_token_bitmask(
+            torch.zeros(1, vocab + 32), torch.from_numpy(bitmask[:1]), rows[:1]
+        )
+
+
+def test_without_the_native_kernel_the_masks_give_the_same_tokens(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The unpacked path (no compiler, ``TANDEM_NATIVE_KERNELS=0``, CUDA): a constrained and a
+    free row together, token for token and logprob for logprob as with the kernel."""
+    prompt = chat(engine, "Describe a person as JSON.")
+    bound = SamplingParams(
+        seed=4, max_tokens=32, logprobs=2, constraint=Constraint("json_schema", json.dumps(PERSON))
+    )
+    free = SamplingParams(seed=4, max_tokens=32, logprobs=2, ignore_eos=True)
+    native = engine.generate([prompt, prompt], [bound, free])
+    monkeypatch.setattr(kernels, "apply_token_bitmask", lambda *_: False)
+    unpacked = engine.generate([prompt, prompt], [bound, free])
+    assert [(o.token_ids, o.logprobs) for [o] in unpacked] == [
+        (o.token_ids, o.logprobs) for [o] in native
+    ]
 
 
 @pytest.mark.parametrize("k", [1, 7])
