@@ -19,9 +19,10 @@ from pathlib import Path
 
 from tandem.demo import tandem_home
 
-# The engine's architectures as GGUF names them. llama.cpp writes most Mistral models as
-# `llama` (transformers reads them back as Mistral when `general.name` says so).
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+# The engine's architectures as GGUF names them. llama.cpp writes Mistral models as `llama`
+# (transformers reads them back as Mistral when `general.name` says so); gguf-py has no
+# `mistral` architecture, so a file naming one cannot be read (tests/tandem/test_gguf.py).
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
 # `tokenizer.ggml.model` values transformers rebuilds a tokenizer from for these architectures:
 # byte-level BPE and sentencepiece.
 SUPPORTED_TOKENIZERS = ("gpt2", "llama")

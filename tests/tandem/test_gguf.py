@@ -63,8 +63,9 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def _tiny_weights(seed: int = 0) -> dict[str, np.ndarray]:
-    """Random weights of the tiny Llama, by their Hugging Face names."""
+def _tiny_weights(seed: int = 0, arch: str = "llama") -> dict[str, np.ndarray]:
+    """Random weights of the tiny Llama (or Qwen2: q/k/v biases; Mistral: Llama's), by their
+    Hugging Face names."""
     rng = np.random.default_rng(seed)
     vocab = len(_vocab())
 
@@ -79,6 +80,10 @@ def _tiny_weights(seed: int = 0) -> dict[str, np.ndarray]:
         w[p + "self_attn.k_proj.weight"] = rand(KV_HEADS * HEAD_DIM, HIDDEN)
         w[p + "self_attn.v_proj.weight"] = rand(KV_HEADS * HEAD_DIM, HIDDEN)
         w[p + "self_attn.o_proj.weight"] = rand(HIDDEN, HIDDEN)
+        if arch == "qwen2":
+            w[p + "self_attn.q_proj.bias"] = rand(HIDDEN)
+            w[p + "self_attn.k_proj.bias"] = rand(KV_HEADS * HEAD_DIM)
+            w[p + "self_attn.v_proj.bias"] = rand(KV_HEADS * HEAD_DIM)
         w[p + "mlp.gate_proj.weight"] = rand(FFN, HIDDEN)
         w[p + "mlp.up_proj.weight"] = rand(FFN, HIDDEN)
         w[p + "mlp.down_proj.weight"] = rand(HIDDEN, FFN)
@@ -101,6 +106,9 @@ def _gguf_name(hf: str) -> str:
         "self_attn.k_proj.weight": "attn_k.weight",
         "self_attn.v_proj.weight": "attn_v.weight",
         "self_attn.o_proj.weight": "attn_output.weight",
+        "self_attn.q_proj.bias": "attn_q.bias",
+        "self_attn.k_proj.bias": "attn_k.bias",
+        "self_attn.v_proj.bias": "attn_v.bias",
         "mlp.gate_proj.weight": "ffn_gate.weight",
         "mlp.up_proj.weight": "ffn_up.weight",
         "mlp.down_proj.weight": "ffn_down.weight",
@@ -142,7 +150,9 @@ def write_tiny_gguf(
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
     for hf, w in weights.items():
-        if hf.endswith("q_proj.weight"):
+        if arch == "qwen2":  # llama.cpp keeps Qwen2's q/k rows in Hugging Face order
+            pass
+        elif hf.endswith("q_proj.weight"):
             w = _permute(w, HEADS)
         elif hf.endswith("k_proj.weight"):
             w = _permute(w, KV_HEADS)
@@ -264,6 +274,32 @@ def test_the_converted_checkpoint_runs_in_the_engine(home: Path, tmp_path: Path)
     assert len(out.token_ids) == 4
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_each_family_converts_to_its_own_checkpoint_and_runs(
+    arch: str, home: Path, tmp_path: Path
+) -> None:
+    """Llama and Qwen2 (q/k/v biases, q/k rows as Hugging Face keeps them) GGUF files (Mistral
+    models are ``llama`` files, ``mistral`` is refused below): the checkpoint names its family, holds exactly the file's weights (F16, so bf16-exact up to
+    the F16 rounding) and the engine runs it."""
+    from engine.config import EngineConfig
+    from engine.engine import LLMEngine
+    from engine.sampling_params import SamplingParams
+
+    weights = _tiny_weights(arch=arch)
+    path = write_tiny_gguf(tmp_path / f"tiny-{arch}.gguf", weights, GGMLQuantizationType.F16, arch)
+    out = ensure_gguf_checkpoint(path)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == arch
+    stored = load_file(out / "model.safetensors")
+    assert set(stored) == set(weights)
+    for name, original in weights.items():
+        assert torch.equal(stored[name], _as_stored(original, GGMLQuantizationType.F16)), name
+    engine = LLMEngine.from_checkpoint(out, EngineConfig())
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    [[done]] = engine.generate(["Hello"], params)
+    assert len(done.token_ids) == 4
+
+
 def test_an_edited_file_is_converted_again(home: Path, tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "tiny.gguf", _tiny_weights(), GGMLQuantizationType.F16)
     before = gguf_checkpoint_dir(path)
@@ -295,8 +331,9 @@ def test_the_supported_types_are_exactly_those_the_loader_dequantizes() -> None:
 @pytest.mark.parametrize(
     ("kind", "needle"),
     [
-        ("arch:gpt2", "architecture 'gpt2' is not supported (supported: llama, qwen2, mistral)"),
-        ("arch:bert", "architecture 'bert' is not supported (supported: llama, qwen2, mistral)"),
+        ("arch:gpt2", "architecture 'gpt2' is not supported (supported: llama, qwen2)"),
+        ("arch:bert", "architecture 'bert' is not supported (supported: llama, qwen2)"),
+        ("arch:mistral", "architecture 'mistral' is not supported (supported: llama, qwen2)"),
         ("tokenizer:bert", "tokenizer.ggml.model 'bert' is not supported (supported: gpt2, llama)"),
         ("type:F64", "tensor type F64 (e.g. blk.0.odd.weight) is not supported (supported: F32, "),
         ("type:I32", "tensor type I32 (e.g. blk.0.odd.weight) is not supported"),
