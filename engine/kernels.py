@@ -14,6 +14,8 @@ None, logs why once, and callers keep the pure-PyTorch path.
   order whatever the row count): the default linear path (``engine.model.Linear``).
 * ``skinny_linear`` -- bf16-weight GEMM of a few rows at memory bandwidth, for CPUs without
   native bf16 GEMM (used by ``engine.model.Linear`` whenever it builds).
+* ``row_sum`` -- the sampler's row sums in one fixed order: the same bits on any thread count
+  and CPU (``engine.sampler.row_sum``).
 * ``token_bitmask`` -- a grammar's token bitmask applied to the logits as it is, without
   unpacking it (structured outputs: ``engine.structured.ban_disallowed``).
 """
@@ -43,6 +45,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "skinny_linear": ("skinny_linear",),
     "invariant_linear": ("invariant_linear", "pack_linear", "bf16_pairs_supported"),
     "token_bitmask": ("apply_token_bitmask",),
+    "row_sum": ("row_sum",),
 }
 # Most rows skinny_linear takes (its kMaxRows); past it the GEMM is compute-bound.
 SKINNY_MAX_ROWS = 16
@@ -162,3 +165,13 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> bool:
         return False
     ext.apply_token_bitmask(logits, bitmask, rows)
     return True
+
+
+def row_sum(x: Tensor) -> Tensor | None:
+    """Each row of float32 ``x`` ``[R, V]`` summed in one fixed order, ``[R, 1]``; None where the
+    kernel is not available."""
+    ext = load("row_sum")
+    if ext is None:
+        return None
+    out: Tensor = ext.row_sum(x.contiguous())
+    return out

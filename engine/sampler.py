@@ -73,7 +73,7 @@ def typical_mask(probs: Tensor, mass: Sequence[float]) -> Tensor:
     smallest prefix reaching ``mass``; this may drop the most probable token
     (docs/design.md#sampling-order)."""
     logp = probs.log()
-    entropy = -torch.where(probs > 0, probs * logp, 0).sum(-1, keepdim=True)
+    entropy = -row_sum(torch.where(probs > 0, probs * logp, 0))
     distance = (-logp - entropy).abs()  # +inf for zero-probability tokens: they sort last
     _, order = distance.sort(dim=-1, stable=True)
     return _prefix_mask(probs.gather(-1, order), order, mass)
@@ -90,7 +90,7 @@ def _prefix_mask(sorted_probs: Tensor, order: Tensor, mass: Sequence[float]) -> 
 
 def _renormalise(probs: Tensor, keep: Tensor) -> Tensor:
     kept = torch.where(keep, probs, 0)
-    return kept / kept.sum(-1, keepdim=True)
+    return kept / row_sum(kept)
 
 
 def _tempered_probs(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
@@ -99,16 +99,29 @@ def _tempered_probs(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
     differs in the last bit between AVX2 and AVX-512 (:func:`log_softmax`)."""
     temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
     weights = ((logits - logits.amax(-1, keepdim=True)) / temps).exp()
-    return weights / weights.sum(-1, keepdim=True)
+    return weights / row_sum(weights)
 
 
 def log_softmax(logits: Tensor) -> Tensor:
-    """``logits - logsumexp(logits)`` per row: the same bits on every CPU family, so a stream
-    moved between an AVX2 and an AVX-512 worker of the portable numerics class keeps its logprobs
-    (docs/design.md#numerics-classes). ``torch.log_softmax``'s CPU kernel sums in its vector
-    width (8 floats on AVX2, 16 on AVX-512) and the two differ in the last bit; amax, exp, sum
-    and log give the same bits under both (tests/engine/test_numerics_classes.py)."""
-    return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+    """``logits - logsumexp(logits)`` per row: the same bits on every CPU family and thread
+    count, so a stream moved between an AVX2 and an AVX-512 worker of the portable numerics
+    class keeps its logprobs (docs/design.md#numerics-classes). ``torch.log_softmax``'s CPU
+    kernel sums in its vector width (8 floats on AVX2, 16 on AVX-512) and the two differ in the
+    last bit; amax, exp and log give the same bits under both, and :func:`row_sum` sums."""
+    top = logits.amax(-1, keepdim=True)
+    return logits - (top + row_sum((logits - top).exp()).log())
+
+
+def row_sum(x: Tensor) -> Tensor:
+    """Each row's sum, ``[B, 1]``; on CPU in one fixed order (engine/csrc/row_sum.cpp).
+    ``torch.sum`` splits a row longer than its 32,768-element grain across threads when there
+    are few rows (a decode step of one sequence over a 49,152-token vocabulary), so its bits
+    follow the thread count, and its vector width the CPU."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        summed = kernels.row_sum(x.reshape(-1, x.shape[-1]))
+        if summed is not None:
+            return summed.reshape(*x.shape[:-1], 1)
+    return x.sum(-1, keepdim=True)
 
 
 # -- per-sequence state ---------------------------------------------------------------------------

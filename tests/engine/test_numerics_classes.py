@@ -7,7 +7,8 @@ machine (``data/portable_numerics.json``), and the same run and the sampler's ev
 each ATen CPU capability this CPU has (an AVX-512 machine runs PyTorch's AVX2 kernels too, with
 ``ATEN_CPU_CAPABILITY=avx2``, as an AVX2-only CPU would). PyTorch's ``softmax`` and
 ``log_softmax`` differed in the last bit between the two (they sum in the kernel's vector
-width); the sampler writes them out in ops that do not (engine/sampler.py::log_softmax)."""
+width); the sampler writes them out in ops that do not (engine/sampler.py::log_softmax), its
+sums in one fixed order whatever the thread count too (engine/sampler.py::row_sum)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,17 @@ def test_the_portable_layout_gives_the_recorded_bits_under_each_capability(
 def test_the_sampler_computes_the_same_bits_under_each_capability(capability: str) -> None:
     """Every probability the draw reads, every logprob: what this process computes."""
     assert under(capability, "sampler") == sampler_digest()
+
+
+def test_the_sampler_computes_the_same_bits_whatever_the_thread_count() -> None:
+    """``torch.sum`` splits a long row across threads when there are few rows (one sequence
+    over a 49,152-token vocabulary): the sampler's sums do not (engine/sampler.py::row_sum)."""
+    before = torch.get_num_threads()
+    try:
+        digests = set()
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            digests.add(sampler_digest())
+    finally:
+        torch.set_num_threads(before)
+    assert len(digests) == 1
