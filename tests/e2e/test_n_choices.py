@@ -67,6 +67,12 @@ def records_of(worker: str, response_id: str) -> list[Any]:
     return [r for r in records if r.request_id.startswith(response_id)]
 
 
+def moves(url: str) -> float:
+    """Attempts the ingress retried or migrated, so far."""
+    names = ("tandem_retries_total", "tandem_migrations_total")
+    return sum(sum(probe.metric(url, name)) for name in names)
+
+
 def hit_tokens(worker: str) -> int:
     """Prompt tokens ``worker``'s engine found in its prefix cache, so far."""
     return int(ray.get(actor(worker).kv_stats.remote(), timeout=60).prefix_hit_tokens)
@@ -111,12 +117,12 @@ def test_the_choices_prefill_their_prompt_once_and_draw_the_engines_n_samples(
 
 
 def test_a_choice_moved_by_a_fault_draws_what_it_drew_unmoved(client: openai.OpenAI) -> None:
-    """The decode worker holding the four choices crashes at their ninth token: each migrates on
-    its own (its prompt and tokens prefilled again elsewhere) and ends with the tokens and
-    logprobs of the fault-free run, bit for bit."""
+    """The decode worker holding the four choices crashes at the first one's ninth token: each
+    choice there moves on its own (its prompt and tokens prefilled again elsewhere) and ends with
+    the tokens and logprobs of the fault-free run, bit for bit."""
     want = drawn(choices_of(client, 4))
     url = str(client.base_url).removesuffix("/v1/")
-    before = probe.metric(url, "tandem_migrations_total")
+    before = moves(url)
     for name in ("decode-0", "decode-1"):
         fault = Fault(FaultPoint.DECODE_TOKENS, FaultAction.CRASH, at=9, attempt=1)
         ray.get(actor(name).set_faults.remote(FaultPlan([fault])), timeout=60)
@@ -124,5 +130,7 @@ def test_a_choice_moved_by_a_fault_draws_what_it_drew_unmoved(client: openai.Ope
         got = drawn(choices_of(client, 4))
     finally:
         clear_faults(WORKERS)
-    assert sum(probe.metric(url, "tandem_migrations_total")) == sum(before) + 4
+    # The lead moved, and each later choice the crash found there once: migrated, or retried if
+    # its first token had not come yet (one still queued for the worker is routed anew, unmoved).
+    assert 1 <= moves(url) - before <= 4
     assert got == want
