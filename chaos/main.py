@@ -16,6 +16,7 @@ from chaos.plan import ChaosPlan, load_plan, shipped_plans
 from chaos.report import write_report
 from chaos.sabotage import Kind, parse
 from chaos.verdict import Summary
+from chaos.watchdog import LoopWatchdog
 from tandem.deployment import DEMO_TOPOLOGY
 from tandem.topology import load_topology
 
@@ -39,7 +40,12 @@ def run_against(
 
     topology = load_topology(topology_file)
     run = ChaosRun(plan, topology, url, say, bed, sabotage)
-    summary = asyncio.run(run.run())
+
+    async def watched() -> Summary:
+        async with LoopWatchdog(say):  # a late run names the call that held its loop
+            return await run.run()
+
+    summary = asyncio.run(watched())
     for path in write_report(summary, out):
         say(f"wrote {path}")
     return summary

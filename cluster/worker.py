@@ -68,6 +68,13 @@ class _Served:
         self.resumed.set()
 
 
+def _reconstructed() -> bool:
+    """Whether Ray restarted this actor (its previous process died): a router that knows no
+    incarnation of it -- restarted itself meanwhile -- learns that death from this."""
+    context = ray.get_runtime_context()
+    return context.get_actor_id() is not None and context.was_current_actor_reconstructed
+
+
 class EngineWorker:
     """Base class of the worker actors, and the colocated worker (Ray wraps the classes)."""
 
@@ -103,7 +110,7 @@ class EngineWorker:
         self.router: RouterClient | None = None
         self._find_router()
         if self.router is not None:  # a restart: the router drops what it credited us at once
-            self.router.worker_started(self.name, self.incarnation)
+            self.router.worker_started(self.name, self.incarnation, _reconstructed())
         self.report_interval_s = report_interval_s
         self.faults = FaultPlan()
         self._changed: asyncio.Event | None = None  # created on the actor's loop

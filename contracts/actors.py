@@ -83,7 +83,9 @@ class RouterAPI(Protocol):
         resync: bool,
         handle: Any = None,
     ) -> bool: ...
-    async def worker_started(self, name: str, incarnation: str) -> None: ...
+    async def worker_started(
+        self, name: str, incarnation: str, reconstructed: bool = False
+    ) -> None: ...
     async def worker_failed(self, name: str) -> None: ...
     async def watch_health(self, version: int, timeout_s: float) -> tuple[int, dict[str, bool]]: ...
     async def admit(self, request: RouteRequest) -> Decision: ...
@@ -202,8 +204,8 @@ class RouterClient:
         it through it, never looking it up: Ray's lookup blocks while an actor restarts)."""
         return self.handle.report.remote(info, load, events, resync, handle)
 
-    def worker_started(self, name: str, incarnation: str) -> ObjectRef[None]:
-        return self.handle.worker_started.remote(name, incarnation)
+    def worker_started(self, name: str, incarnation: str, reconstructed: bool) -> ObjectRef[None]:
+        return self.handle.worker_started.remote(name, incarnation, reconstructed)
 
     def worker_failed(self, name: str) -> ObjectRef[None]:
         return self.handle.worker_failed.remote(name)

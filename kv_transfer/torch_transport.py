@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import socket
 import threading
 import time
 import uuid
@@ -70,6 +71,21 @@ def new_pair_group(store: Any, rank: int, backend: str, host: str, timeout_s: fl
     raise ValueError(f"pair group backend {backend!r} is not 'gloo' or 'nccl'")
 
 
+def _listening_socket(host: str) -> tuple[int, int]:
+    """A socket listening on ``host`` only (port chosen by the OS): its descriptor, handed
+    over to the caller, and its port."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+        port = sock.getsockname()[1]
+    except OSError:
+        sock.close()
+        raise
+    return sock.detach(), port
+
+
 def signals_ready(backend: str) -> bool:
     """Whether a puller tells the sender that its receives are posted: on gloo, a send that
     precedes its receive moves several times slower (measured: 12 MiB took ~12 ms once the
@@ -102,7 +118,11 @@ class PairGroupHost:
 
     def __init__(self, host: str) -> None:
         self.host = host
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        # Its socket made here, bound to ``host``: TCPStore binds every interface itself.
+        fd, port = _listening_socket(host)
+        self._store = dist.TCPStore(
+            host, port, is_master=True, wait_for_workers=False, master_listen_fd=fd, use_libuv=True
+        )
         self._lock = threading.Lock()
         self._groups: dict[str, _HostedGroup] = {}
 

@@ -65,6 +65,8 @@ HEALTH_CHECK_INTERVAL_S = 0.5
 # How often silences are checked: a silent worker is FAILED at most this long after its
 # heartbeat timeout (a quarter of the timeout, if that is shorter).
 HEARTBEAT_CHECK_S = 0.25
+# Why a worker Ray restarted while no router watched is FAILED (the router's first look).
+RESTARTED_UNSEEN = "Ray restarted its actor while the router was down"
 
 
 class RouterActor:
@@ -163,13 +165,20 @@ class RouterActor:
         self._pump()
         return True
 
-    async def worker_started(self, name: str, incarnation: str) -> None:
+    async def worker_started(
+        self, name: str, incarnation: str, reconstructed: bool = False
+    ) -> None:
         """``name``'s process (re)started. If this router knew another incarnation of it, the
         cache it credited died with that process (P12): FAILED at once -- no traffic, no credit
-        -- until the health check readmits it (it then resyncs), not after a heartbeat timeout."""
+        -- until the health check readmits it (it then resyncs), not after a heartbeat timeout.
+        If it knew none (this router restarted too) but Ray ``reconstructed`` the actor, the
+        process before it died unseen by any router -- while this one was down: FAILED too, so
+        coordinators still waiting on the dead process learn it now."""
         known = self.incarnations.get(name)
         if known is not None and known != incarnation:
             self._fail(name, "restarted", DetectedBy.RESTART)
+        elif known is None and reconstructed:
+            self._fail(name, RESTARTED_UNSEEN, DetectedBy.RESTART)
 
     async def worker_failed(self, name: str) -> None:
         """The coordinator saw ``name`` die (actor death, transport UNAVAILABLE)."""

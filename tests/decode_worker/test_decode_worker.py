@@ -210,3 +210,81 @@ def test_a_stopped_reservation_gives_back_what_it_held_or_waited_for(
     finally:
         decode.transport.close()
         decode.engine.shutdown()
+
+
+def test_an_import_with_no_reservation_parks_until_room_frees_then_decodes_exactly(
+    test_llama: Path, torch_threads: None, loopback: None
+) -> None:
+    """The park path: a decode worker restarted after an attempt's reservation has none for it
+    when start_decode comes, and here its only batch slot is held (another reservation). The
+    import parks -- counted once in ``imports_parked``, no capacity error, the KV left with the
+    prefill worker -- and once the slot frees it is admitted, pulls, and decodes exactly the
+    offline tokens; the holder ends CANCELLED, the parked attempt FINISHED, pools at baseline."""
+    one = CONFIG.model_copy(update={"max_num_seqs": 1})
+    [[out]] = LLMEngine.from_checkpoint(test_llama, one).generate([list(PROMPT)], GREEDY)
+    decode = DecodeWorker("decode-0", "a", str(test_llama), "m", one)
+    prefill = PrefillWorker("prefill-0", "a", str(test_llama), "m", one)
+    holder = replace(ATTEMPT, request_id="h")
+
+    async def body() -> None:
+        await prefill.ready()
+        await decode.ready()
+        stream = decode.subscribe("c")
+        await decode.reserve(holder)  # the only slot
+        handing = prefill.prefill(ATTEMPT)
+        source = await anext(handing)
+        await decode.start_decode(ATTEMPT, source, "c")  # no reservation for it here
+        first = await anext(handing)
+        await decode.handoff(ATTEMPT.key, replace(first, prompt_logprobs=None))
+        await asyncio.sleep(0.5)
+        assert decode.engine.imports_parked == 1
+        assert await held(decode) == (1, 3)  # still only the holder
+        await decode.stop(holder.key)
+        items = await items_of(stream, ATTEMPT.key)
+        rest = [d for d in items if isinstance(d, TokenDelta)]
+        assert rest == items  # no error
+        assert first.token_ids + [t for d in rest for t in d.token_ids] == out.token_ids
+        assert decode.engine.imports_parked == 1
+        await stream.aclose()
+        await decode.check_idle()
+        await eventually_idle(prefill.check_idle)
+        records = [(r.request_id, r.status) for r in await decode.records()]
+        assert records == [
+            (holder.key, RequestStatus.CANCELLED),
+            (ATTEMPT.key, RequestStatus.FINISHED),
+        ]
+
+    try:
+        asyncio.run(asyncio.wait_for(body(), 120))
+    finally:
+        decode.transport.close()
+        decode.engine.shutdown()
+        prefill.server.stop(0)
+        prefill.engine.shutdown()
+
+
+def test_a_consumer_whose_stream_ends_has_its_attempts_here_cancelled(
+    decode: DecodeWorker,
+) -> None:
+    """A coordinator that stops reading its token stream (closed, or its process gone) has
+    every attempt it started here cancelled -- nobody would read their tokens -- while another
+    consumer's attempt runs on; a new stream of the same consumer would take over instead."""
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    mine, theirs = EngineRequest("a", PROMPT, long, attempt=1), EngineRequest("b", PROMPT, GREEDY)
+
+    async def body() -> None:
+        await decode.ready()
+        gone, other = decode.subscribe("gone"), decode.subscribe("other")
+        await decode.start_generate(mine, "gone")
+        await decode.start_generate(theirs, "other")
+        [(aid, _)] = await anext(gone)  # tokens flow to it
+        assert aid == mine.key
+        await gone.aclose()
+        items = await items_of(other, theirs.key)
+        assert all(isinstance(d, TokenDelta) for d in items)
+        await other.aclose()
+        await decode.check_idle()
+        records = {r.request_id: r.status for r in await decode.records()}
+        assert records == {mine.key: RequestStatus.CANCELLED, theirs.key: RequestStatus.FINISHED}
+
+    asyncio.run(asyncio.wait_for(body(), 60))

@@ -25,7 +25,7 @@ from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.config import EngineConfig
 from engine.engine import CompletionOutput, LLMEngine
 from engine.loader import load_checkpoint
-from engine.model_runner import DeterminismUnavailable, ModelRunner
+from engine.model_runner import DeterminismUnavailable, ModelRunner, check_deterministic
 from engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=3)
@@ -339,6 +339,16 @@ def test_the_engine_refuses_non_invariant_settings(bf16_llama: Path) -> None:
         engine_for(bf16_llama, attention_backend="sdpa")
     # Spelled out, the same setting runs.
     engine_for(bf16_llama, attention_backend="sdpa", deterministic=False)
+
+
+@pytest.mark.parametrize("device", ["cuda", "meta"])
+def test_another_device_is_refused_unless_told(device: str) -> None:
+    """The invariant kernels are CPU kernels: on CUDA (or anything else) the check refuses,
+    naming the device and the setting; told ``deterministic: false`` it lets it run."""
+    with pytest.raises(DeterminismUnavailable, match=f"implemented for CPU, not {device};"):
+        check_deterministic(EngineConfig(), torch.device(device))
+    check_deterministic(EngineConfig(deterministic=False), torch.device(device))
+    check_deterministic(EngineConfig(), torch.device("cpu"))
 
 
 def test_without_the_compiled_kernels_the_engine_refuses_unless_told(

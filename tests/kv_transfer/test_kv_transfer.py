@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import math
 import multiprocessing as mp
 import os
@@ -25,6 +26,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 import torch
 from hypothesis import given, settings
@@ -486,6 +488,41 @@ def test_large_transfer_moves_exact_bytes(
     assert client.release(server.address, pub.key, ReleaseReason.ACKED)
     assert pub.releases == [ReleaseReason.ACKED] and len(registry) == 0
     assert not client.release(server.address, pub.key, ReleaseReason.ACKED)
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", TRANSPORTS)
+def test_every_socket_a_transfer_opens_listens_on_the_given_host_only(kind: str) -> None:
+    """A worker's KV sockets bind its node's address, never every interface: the gRPC server,
+    and in torch mode the pair group's rendezvous store (TCPStore binds every interface unless
+    handed its socket) and gloo's pair sockets. Here the host is loopback: every socket that
+    started listening during a pull listens on 127.0.0.1."""
+
+    def listening() -> set[tuple[str, int]]:
+        """This process's listening sockets (an IPv4-mapped address read as its IPv4 one)."""
+        sockets = set()
+        for c in psutil.Process().net_connections("inet"):
+            if c.status == psutil.CONN_LISTEN:
+                ip = ipaddress.ip_address(c.laddr.ip)
+                mapped = ip.ipv4_mapped if isinstance(ip, ipaddress.IPv6Address) else None
+                sockets.add((str(mapped or ip), c.laddr.port))
+        return sockets
+
+    before = listening()
+    registry = KVExportRegistry()
+    server = KVTransferServer(registry, host="127.0.0.1", port=0)
+    server.start()
+    client = make_transport(kind, puller_id="decode-0", host="127.0.0.1")
+    try:
+        src = random_cache(6, torch.float32, seed=3)
+        pub = publish(registry, src, [1, 4])
+        client.pull(server.address, pub.key, pub.layout, Recorder(), soon(60))
+        opened = listening() - before
+    finally:
+        client.close()
+        server.stop(0)
+    assert len(opened) >= (1 if kind == "grpc" else 2), opened  # the server; and the store
+    assert {ip for ip, _ in opened} == {"127.0.0.1"}, opened
 
 
 def test_eight_concurrent_transfers_move_exact_bytes(

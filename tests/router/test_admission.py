@@ -29,7 +29,7 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.kv_events import KVEvent, KVEventKind
 from engine.request import Request
 from engine.sampling_params import SamplingParams
-from router.actor import RouterActor
+from router.actor import RESTARTED_UNSEEN, RouterActor
 from router.admission import PROMISE_TTL_S, AdmissionQueue, AdmissionRate, Ledger, refusal
 from router.config import AdmissionConfig, RouterConfig
 from router.policy import FULL, choose, has_room, needed_blocks
@@ -551,6 +551,27 @@ def test_a_worker_restarted_under_a_known_name_is_failed_at_once_with_its_credit
         assert await actor.failures_detected() == {"restart": 1}
         await actor.worker_failed("decode-0")
         assert await actor.failures_detected() == {"restart": 1, "actor_death": 1}
+
+    asyncio.run(asyncio.wait_for(body(), 10))
+
+
+def test_a_worker_ray_restarted_while_no_router_watched_is_failed_when_it_says_so() -> None:
+    """A restarted router knows no incarnation. A worker whose process Ray reconstructed says so
+    from its constructor: its previous process died unseen (while the router was down), so it is
+    FAILED at once -- what a coordinator still waiting on the dead process hears -- not after
+    the first look's silence rule. A first start the router does not know changes nothing."""
+
+    async def body() -> None:
+        actor = RouterActor(WORKERS, RouterConfig(), heartbeat_timeout_s=3600.0, namespace="t")
+        await actor.worker_started("prefill-0", "j1", reconstructed=False)
+        await actor.worker_started("decode-0", "j2", reconstructed=True)
+        states = {s.name: s for s in await actor.worker_states()}
+        assert (states["prefill-0"].failed, states["decode-0"].failed) == (False, True)
+        events = await actor.health_events()
+        assert [(e["worker"], e["event"], e["why"]) for e in events] == [
+            ("decode-0", "failed", RESTARTED_UNSEEN)
+        ]
+        assert await actor.failures_detected() == {"restart": 1}
 
     asyncio.run(asyncio.wait_for(body(), 10))
 
