@@ -73,7 +73,7 @@ class Harness:
         self, rid: str, prompt: list[int] | int, max_tokens: int = 4, **kw: Any
     ) -> AdmissionResult:
         tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else prompt
-        sp_keys = {"min_tokens", "ignore_eos", "stop_token_ids", "n"}
+        sp_keys = {"min_tokens", "ignore_eos", "stop_token_ids", "n", "prompt_logprobs"}
         sp = SamplingParams(max_tokens=max_tokens, **{k: kw.pop(k) for k in sp_keys & kw.keys()})
         kw.setdefault("arrival_time", self.clock.t)
         req = Request(rid, tokens, sp, **kw)
@@ -839,6 +839,7 @@ def test_fork_children_inherit_priority_deadline_salt_and_eos() -> None:
         assert child.sampling_params is parent.sampling_params
         assert (child.arrival_time, child.priority, child.deadline) == (1.0, 3, 50.0)
         assert (child.cache_salt, child.eos_token_ids) == ("t1", eos)
+        assert (child.parent_id, child.index) == ("P", int(child.request_id[-1]))
         assert child.output_token_ids == [106] and child.output_token_ids is not (
             parent.output_token_ids
         )
@@ -1414,3 +1415,15 @@ def test_several_swapped_requests_come_back_oldest_first() -> None:
     h.assert_drained()
     for rid in "ABCDE":
         assert h.outputs_of(rid) == expected_tokens(3, 3)
+
+
+def test_only_a_request_scoring_its_prompt_has_its_prefill_chunks_return_every_row() -> None:
+    """A request with prompt logprobs has every prefill chunk marked ``all_logits`` (the runner
+    returns all its rows) until its first token; the others only their last row."""
+    h = Harness(max_num_batched_tokens=4)
+    h.add("S", 6, max_tokens=2, prompt_logprobs=1)
+    h.add("G", 3, max_tokens=2)
+    flags = [[(c.request_id, c.all_logits) for c in h.step().chunks] for _ in range(3)]
+    assert flags == [[("S", True)], [("S", True), ("G", False)], [("S", False), ("G", False)]]
+    h.run()
+    h.assert_drained()

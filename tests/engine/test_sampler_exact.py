@@ -1,0 +1,188 @@
+"""The sampler's exact arithmetic, value by value (mutation testing found these unpinned): a
+token's logprob, rank and top list with ties; the written-out log-softmax; the fixed-order row
+sums and their fallback; the draw at the top of a CDF with trailing zeros; and a constrained row
+beside a free one (its grammar masks only its row, never the caller's logits, and its logprobs
+stay those of the raw distribution)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.loader import read_model_config
+from engine.request import Request
+from engine.sampler import (
+    Sampler,
+    SamplingState,
+    _draw,
+    log_softmax,
+    row_sum,
+    token_logprobs,
+)
+from engine.sampling_params import Constraint, SamplingParams
+from engine.structured import Grammars, GrammarState
+from engine.tokenizer import Tokenizer
+
+
+def t(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float32)
+
+
+def test_rank_counts_more_likely_tokens_and_equal_ones_of_lower_id() -> None:
+    """Rank = 1 + the tokens strictly more likely + the equally likely ones of lower id, so it
+    agrees with the top list, whose ties run in id order; each row its own top length."""
+    logits = t(
+        [
+            [1.0, 3.0, 3.0, 0.0, 3.0],  # token 2 ties with 1 (lower id) and 4 (higher)
+            [0.0, 0.0, 0.0, 0.0, 5.0],  # token 0 behind token 4 only
+            [0.0, 1.0, -1.0, -1.0, -1.0],  # token 1 the likeliest; token 0 lower and less likely
+            [2.0, 2.0, 2.0, 2.0, 2.0],  # all tied: the top list in id order
+        ]
+    )
+    out = token_logprobs(logits, [2, 0, 1, 3], [4, 0, 2, 5])
+    logp = log_softmax(logits)
+    assert [o.rank for o in out] == [2, 2, 1, 4]
+    assert [o.logprob for o in out] == [
+        logp[0, 2].item(),
+        logp[1, 0].item(),
+        *logp[2:, [1, 3]].diagonal().tolist(),
+    ]
+    assert [[i for i, _ in o.top] for o in out] == [[1, 2, 4, 0], [], [1, 0], [0, 1, 2, 3, 4]]
+    assert [v for _, v in out[0].top] == [logp[0, i].item() for i in (1, 2, 4, 0)]
+    assert token_logprobs(torch.empty(0, 5), [], []) == []
+
+
+def test_log_softmax_is_each_rows_own_and_matches_torch() -> None:
+    """Each row is shifted by its own max: rows a thousand apart (a global shift would
+    underflow the lower row to -inf) give torch's values to float32 precision."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.cat([torch.randn(2, 300, generator=g), 1000 + torch.randn(2, 300, generator=g)])
+    ours = log_softmax(logits)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(
+        ours, torch.log_softmax(logits, -1), rtol=0, atol=1e-4
+    )  # float32 near 1000
+    torch.testing.assert_close(ours.exp().sum(-1), torch.ones(4), rtol=0, atol=1e-4)
+
+
+def test_row_sums_go_to_the_fixed_order_kernel_on_cpu_float32(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    x = torch.randn(3, 7, 100, generator=torch.Generator().manual_seed(1))
+    called: list[tuple[int, ...]] = []
+    real = kernels.row_sum
+
+    def spy(rows: torch.Tensor) -> torch.Tensor | None:
+        called.append(tuple(rows.shape))
+        return real(rows)
+
+    monkeypatch.setattr(kernels, "row_sum", spy)
+    out = row_sum(x)
+    assert called == [(21, 100)] and out.shape == (3, 7, 1)
+    torch.testing.assert_close(out, x.sum(-1, keepdim=True), rtol=0, atol=1e-4)
+    assert row_sum(x.double()).shape == (3, 7, 1) and len(called) == 1  # float64: torch's sum
+
+
+def test_without_the_kernel_row_sums_are_torchs_with_the_same_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(kernels, "row_sum", lambda rows: None)
+    x = torch.randn(4, 50, generator=torch.Generator().manual_seed(2))
+    assert torch.equal(row_sum(x), x.sum(-1, keepdim=True))
+
+
+def test_a_draw_at_the_top_of_the_cdf_never_lands_on_a_trailing_zero() -> None:
+    """u * total rounding up to total: searchsorted points past the last token; the draw is
+    clamped to each row's last positive token (rows apart: a second row's zeros count only
+    for it)."""
+    probs = t([[0.25, 0.75, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0]])
+    assert _draw(probs, [1 - 2**-53, 1 - 2**-53]).tolist() == [1, 2]
+    assert _draw(probs, [0.0, 0.4]).tolist() == [0, 0]
+
+
+@pytest.fixture(scope="module")
+def grammars(test_llama: Path) -> Grammars:
+    """The grammar side of the test model's engine, built as the engine builds it (no model:
+    mutation runs map every engine function a fixture calls to the tests using it)."""
+    model_config, _ = read_model_config(test_llama)
+    return Grammars(Tokenizer(test_llama), model_config)
+
+
+def test_a_constrained_state_holds_its_grammar_and_needs_the_engines(grammars: Grammars) -> None:
+    params = SamplingParams(seed=3, choice=1, constraint=Constraint.choice(["ab", "ba"]))
+    with pytest.raises(ValueError, match="a constrained request needs the engine's grammars"):
+        SamplingState.create(params, (1,), [], seed=0)
+    made = SamplingState.create(params, (1,), [], seed=0, grammars=grammars)
+    assert isinstance(made.grammar, GrammarState) and made.grammar.consumed == 0
+    request = Request("r", [1, 2], params)
+    plain = Request("p", [1, 2], SamplingParams(seed=3, choice=1))
+    assert SamplingState.for_request(plain).choice == 1  # sample 0 by default
+    fork = SamplingState.for_request(request, 2, grammars=grammars)
+    assert (fork.choice, fork.seed) == (params.choice + 2, 3) and fork.grammar is not None
+    back = SamplingState.restore(fork.snapshot(), params, [1, 2], [], grammars=grammars)
+    assert (back.choice, back.seed) == (fork.choice, fork.seed) and back.grammar is not None
+
+
+def test_a_constrained_row_is_masked_alone_and_its_logprobs_stay_raw(
+    grammars: Grammars, test_llama: Path
+) -> None:
+    """Beside a free row: the free row gets its own argmax, the constrained one a token its
+    grammar allows; the caller's logits are not written; both rows' logprobs are of the raw
+    logits."""
+    vocab = grammars.vocab_size
+    tokenizer = Tokenizer(test_llama)
+    params = SamplingParams(temperature=0.0, logprobs=1, constraint=Constraint.choice(["ab", "ba"]))
+    free = SamplingParams(temperature=0.0, logprobs=1)
+    states = [
+        SamplingState.create(params, (1,), [], seed=0, grammars=grammars),
+        SamplingState.create(free, (1,), [], seed=0),
+    ]
+    logits = torch.randn(2, vocab, generator=torch.Generator().manual_seed(3))
+    kept = logits.clone()
+    out = Sampler(vocab)(logits, states)
+    assert torch.equal(logits, kept)
+    allowed = {tok for tok in range(vocab) if tokenizer.decode([tok]) in ("a", "ab", "b", "ba")}
+    assert out.token_ids[0] in allowed and out.token_ids[1] == int(kept[1].argmax())
+    raw = log_softmax(kept)
+    assert [lp.logprob for lp in out.logprobs] == [
+        raw[0, out.token_ids[0]].item(),
+        raw[1, out.token_ids[1]].item(),
+    ]
+
+
+@pytest.mark.parametrize("free_rows", [0, 1], ids=["all-constrained", "one-free"])
+def test_without_the_bitmask_kernel_the_masks_give_the_same_draws(
+    grammars: Grammars, monkeypatch: pytest.MonkeyPatch, free_rows: int
+) -> None:
+    """The kernel applies the masks on CPU (asked for exactly once per step); without it the
+    unpacked masks do, with the same tokens and logprobs, whether or not every row has a
+    grammar."""
+    vocab = grammars.vocab_size
+    constrained = SamplingParams(
+        temperature=1.0, seed=2, logprobs=2, constraint=Constraint.choice(["ab", "ba", "bb"])
+    )
+    free = SamplingParams(temperature=1.0, seed=2, logprobs=2)
+
+    def step() -> object:
+        states = [
+            SamplingState.create(constrained, (1,), [], seed=2, choice=i, grammars=grammars)
+            for i in range(2)
+        ] + [SamplingState.create(free, (1,), [], seed=2) for _ in range(free_rows)]
+        logits = torch.randn(len(states), vocab, generator=torch.Generator().manual_seed(5))
+        return Sampler(vocab)(logits, states)
+
+    calls: list[int] = []
+    real = kernels.apply_token_bitmask
+
+    def spy(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> bool:
+        calls.append(len(rows))
+        return real(logits, bitmask, rows)
+
+    monkeypatch.setattr(kernels, "apply_token_bitmask", spy)
+    with_kernel = step()
+    assert calls == [2]
+    monkeypatch.setattr(kernels, "apply_token_bitmask", lambda *_: False)
+    assert step() == with_kernel
