@@ -124,6 +124,14 @@ class EngineConfig(BaseModel):
         "that mixes them (checked on AVX2 only so far; slower where pairs would run). Workers "
         "of different classes never share a request",
     )
+    quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="'int8': every linear layer but the LM head runs W8A8 (docs/design.md"
+        "#quantization) -- weights quantized at load per output channel, activations per token "
+        "at run time, products summed in int32: exact, so as batch-, thread- and CPU-invariant "
+        "as the default; half the bf16 weight bytes. Needs the compiled int8 kernel; engines "
+        "with and without it are different numerics classes (never paired)",
+    )
     num_threads: int | None = Field(
         None,
         ge=1,

@@ -46,6 +46,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "invariant_linear": ("invariant_linear", "pack_linear", "bf16_pairs_supported"),
     "token_bitmask": ("apply_token_bitmask",),
     "row_sum": ("row_sum",),
+    "int8_linear": ("int8_linear", "pack_int8", "int8_path", "int8_path_supported"),
 }
 # Most rows skinny_linear takes (its kMaxRows); past it the GEMM is compute-bound.
 SKINNY_MAX_ROWS = 16
@@ -150,12 +151,6 @@ def skinny_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return out
 
 
-if __name__ == "__main__":  # python -m engine.kernels: build them (setup does)
-    logging.basicConfig(level=logging.INFO)
-    for kernel, ok in build_all().items():
-        print(f"kernel {kernel}: {'built' if ok else 'unavailable (PyTorch path)'}")
-
-
 def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> bool:
     """Set to -inf, in place, each logit of row ``rows[i]`` of float32 ``logits`` ``[B, V]``
     whose bit in int32 ``bitmask[i]`` is 0. False (nothing done) where the kernel is not
@@ -175,3 +170,50 @@ def row_sum(x: Tensor) -> Tensor | None:
         return None
     out: Tensor = ext.row_sum(x.contiguous())
     return out
+
+
+# The int8 GEMM's ways through one packed weight (engine/csrc/int8_linear.cpp), fastest first.
+INT8_PATHS = ("vnni512", "avx2", "scalar")
+
+
+def _int8() -> ModuleType:
+    ext = load("int8_linear")
+    if ext is None:
+        raise RuntimeError("the int8-linear extension is not available")
+    return ext
+
+
+def int8_paths() -> list[str]:
+    """The int8 GEMM paths this CPU runs (every one gives the same bits)."""
+    ext = _int8()
+    return [p for p in INT8_PATHS if ext.int8_path_supported(p)]
+
+
+def pack_int8(qweight: Tensor) -> tuple[Tensor, Tensor]:
+    """int8 ``qweight`` ``[N, K]`` packed for :func:`int8_linear`, and 128 x each row's sum per
+    group of 64 k (int32 ``[groups, N]``: the AVX512-VNNI path's offset, taken off again)."""
+    packed, comp = _int8().pack_int8(qweight)
+    return packed, comp
+
+
+def int8_linear(
+    x: Tensor,
+    packed: Tensor,
+    comp: Tensor,
+    w_scale: Tensor,
+    n: int,
+    bias: Tensor | None,
+    path: str = "auto",
+) -> Tensor:
+    """``x W^T + b`` with ``W`` = int8 rows (:func:`pack_int8`) times ``w_scale`` ``[n]`` and
+    ``x`` ``[M, K]`` quantized to int8 on the fly per row and group of 64 k; int32 sums per group,
+    fp32 across groups, the output in x's dtype. ``path``: "auto" (the fastest here) or one of
+    :func:`int8_paths`."""
+    out: Tensor = _int8().int8_linear(x, packed, comp, w_scale, n, bias, path)
+    return out
+
+
+if __name__ == "__main__":  # python -m engine.kernels: build them (setup does)
+    logging.basicConfig(level=logging.INFO)
+    for kernel, ok in build_all().items():
+        print(f"kernel {kernel}: {'built' if ok else 'unavailable (PyTorch path)'}")

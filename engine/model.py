@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from engine import kernels
 from engine.attention import AttentionMetadata, decode_attention, prefill_attention, write_kv
 from engine.config import ModelConfig
+from engine.quantization import quantize_rows
 
 Tensor = torch.Tensor
 
@@ -29,7 +30,7 @@ _MKLDNN_FP32 = torch.backends.mkldnn.is_available() and hasattr(
 _MKLDNN_BF16 = _MKLDNN_FP32 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-LinearMode = Literal["invariant", "packed", "widen", "plain"]
+LinearMode = Literal["invariant", "packed", "widen", "plain", "int8"]
 # "widen" GEMMs of at most this many rows read the bf16 weight (see Linear); SKINNY_ROWS where
 # the native kernel serves them (the measured crossover with the fp32 GEMM on the small model:
 # per decode step 8 rows 34 / 45 ms, 12 rows 50 / 57, 16 rows 65 / 66).
@@ -72,6 +73,9 @@ class Linear:
       ``SKINNY_ROWS`` rows from the bf16 weight at memory bandwidth instead of torch's
       emulated bf16 GEMM (2.2x faster at one row, 5x at four).
     * ``plain`` -- anything else (fp32, CUDA): ``F.linear``.
+    * ``int8`` -- W8A8 (engine/quantization.py, engine/csrc/int8_linear.cpp): the weight
+      quantized per output channel, each row of x per token, int32 sums -- exact, so invariant
+      like ``invariant``, with half the bf16 weight bytes.
     """
 
     def __init__(
@@ -97,6 +101,11 @@ class Linear:
         if self.mode == "invariant":
             self.packed = kernels.pack_linear(weight, self.pairs)
             self.weight = None
+        self.int8: tuple[Tensor, Tensor, Tensor] | None = None  # packed, sums, scales
+        if self.mode == "int8":
+            q, scale = quantize_rows(weight)
+            self.int8 = (*kernels.pack_int8(q), scale)
+            self.weight = None
         if self.mode == "packed":
             # The second argument is the expected row count; it only tunes the layout.
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
@@ -120,6 +129,9 @@ class Linear:
         self.few_rows = SKINNY_ROWS if self.skinny else WIDEN_MIN_ROWS
 
     def __call__(self, x: Tensor) -> Tensor:
+        if self.int8 is not None:
+            packed, sums, scale = self.int8
+            return kernels.int8_linear(x, packed, sums, scale, self.out_features, self.bias)
         if self.mode == "invariant":
             assert self.packed is not None
             return kernels.invariant_linear(
@@ -200,8 +212,10 @@ class DecoderModel:
         device: torch.device,
         deterministic: bool = False,
         portable: bool = False,
+        quantization: str = "none",
     ):
         self.config = config
+        self.quantization = quantization
         self.device = device
         c = config
 
@@ -218,7 +232,8 @@ class DecoderModel:
             biases = [p + ".bias" for p in prefixes if p + ".bias" in weights]
             bias = fused(biases) if biases and len(biases) == len(prefixes) else None
             weight = fused([p + ".weight" for p in prefixes])
-            return Linear(weight, bias, default_linear_mode(weight, deterministic), portable)
+            mode = "int8" if quantization == "int8" else default_linear_mode(weight, deterministic)
+            return Linear(weight, bias, mode, portable)
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
@@ -249,7 +264,8 @@ class DecoderModel:
         if head.mode != "invariant":
             return "fastest"
         dtype = str(self.config.dtype).removeprefix("torch.")
-        return f"{dtype}/invariant/{'pairs' if head.pairs else 'columns'}"
+        weights = "int8" if self.quantization == "int8" else "invariant"
+        return f"{dtype}/{weights}/{'pairs' if head.pairs else 'columns'}"
 
     def forward(
         self,

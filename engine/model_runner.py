@@ -44,15 +44,26 @@ def check_deterministic(config: EngineConfig, device: torch.device) -> None:
             f"attention_backend sdpa is not batch-invariant (its reduction order depends on "
             f"the query count); use auto or cpu_kernel, or {fix}"
         )
-    missing = [
-        name
-        for name in ("invariant_linear", "paged_decode_attention")
-        if kernels.load(name) is None
-    ]
+    needed = ("invariant_linear", "paged_decode_attention")
+    missing = [name for name in needed if kernels.load(name) is None]
     if missing:
         raise DeterminismUnavailable(
             f"the compiled CPU kernels {', '.join(missing)} are unavailable (no C++ compiler or "
             f"OpenMP, or {kernels.DISABLE_ENV}=0; see the log); {fix}"
+        )
+
+
+def check_quantization(config: EngineConfig, device: torch.device) -> None:
+    """Raise ValueError (saying why) where ``config.quantization`` cannot run: int8 weights run
+    the compiled CPU kernel only."""
+    if config.quantization != "int8":
+        return
+    if device.type != "cpu":
+        raise ValueError(f"quantization int8 runs on CPU, not {device.type}")
+    if kernels.load("int8_linear") is None:
+        raise ValueError(
+            "quantization int8 needs the compiled int8_linear kernel (no C++ compiler or OpenMP, "
+            f"or {kernels.DISABLE_ENV}=0; see the log)"
         )
 
 
@@ -74,6 +85,7 @@ class ModelRunner:
             )
         self.num_host_blocks = config.swap_space_bytes // block_bytes
         check_deterministic(config, device)
+        check_quantization(config, device)
         self.deterministic = config.deterministic
         self.model = DecoderModel(
             mc,
@@ -81,6 +93,7 @@ class ModelRunner:
             device,
             deterministic=self.deterministic,
             portable=config.invariant_layout == "columns",
+            quantization=config.quantization,
         )
         # Zeros, not empty: decode reads padding slots (masked out, weight 0), and 0 * NaN from
         # uninitialised memory would still poison the output.

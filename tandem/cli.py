@@ -87,7 +87,12 @@ def cmd_generate(a: argparse.Namespace) -> int:
     model = Path(a.model) if a.model else ensure_demo_model()
     if is_gguf(model):
         model = ensure_gguf_checkpoint(model)
-    config = EngineConfig(dtype=a.dtype, kv_cache_bytes=a.kv_cache_mb * 2**20, device=a.device)
+    config = EngineConfig(
+        dtype=a.dtype,
+        kv_cache_bytes=a.kv_cache_mb * 2**20,
+        device=a.device,
+        quantization=a.quantization,
+    )
     engine = LLMEngine.from_checkpoint(model, config)
     prompt: str = a.prompt
     if a.chat:
@@ -147,6 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print ids, text, finish reason, timing")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
+    g.add_argument(
+        "--quantization",
+        choices=["none", "int8"],
+        default="none",
+        help="int8: W8A8 linear layers (docs/design.md#quantization)",
+    )
     g.add_argument("--device", default="auto")
     g.add_argument("--kv-cache-mb", type=int, default=256)
     _add_sampling_flags(g)

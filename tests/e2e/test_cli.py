@@ -59,6 +59,25 @@ def test_demo_model_then_generate_json(tmp_path: Path) -> None:
     assert o["text"] == ref.text
 
 
+def test_generate_with_int8_weights_gives_the_int8_engines_tokens(bf16_llama: Path) -> None:
+    """``--quantization int8``: the CLI runs the W8A8 engine (docs/design.md#quantization): a
+    seeded sample draws the in-process int8 engine's tokens, which are not the bf16 engine's
+    (a draw moves with the logits)."""
+    r = run(
+        "generate", "--model", str(bf16_llama), "--prompt", "Hello world", "--max-tokens", "16",
+        "--ignore-eos", "--json", "--temperature", "1.0", "--seed", "3", "--quantization", "int8",
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    [o] = json.loads(r.stdout)["outputs"]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    refs = {}
+    for quantization in ("none", "int8"):
+        config = EngineConfig(quantization=quantization, kv_cache_bytes=256 * 2**20)
+        engine = LLMEngine.from_checkpoint(bf16_llama, config)
+        [[refs[quantization]]] = engine.generate(["Hello world"], params)
+    assert o["token_ids"] == refs["int8"].token_ids != refs["none"].token_ids
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
