@@ -151,7 +151,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
     names = list(result["speed"])
     for i, q_kind in enumerate(KINDS):
         values = [statistics.median(result["speed"][m][q_kind]["tok_s"]) for m in names]
-        right.bar([x + 0.4 * i for x in range(len(names))], values, width=0.4, label=q_kind)
+        label = "bf16" if q_kind == "none" else q_kind
+        right.bar([x + 0.4 * i for x in range(len(names))], values, width=0.4, label=label)
     right.set_xticks([x + 0.2 for x in range(len(names))], names)
     right.set_ylabel("output tok/s")
     right.set_title(f"throughput, median of ABBA runs ({result['cpu']})", fontsize=9)

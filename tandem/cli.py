@@ -171,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--address", default=None, help="join this Ray cluster (default: start one)")
+    s.add_argument(
+        "--quantization",
+        choices=["none", "int8"],
+        default=None,
+        help="every worker's weights: int8 = W8A8 (default: the topology's engine setting)",
+    )
     s.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("status", help="the cluster as its router sees it (GET /v1/cluster)")
@@ -271,7 +277,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     topology = Path(a.topology) if a.topology else DEFAULT_TOPOLOGY
     model = Path(a.model) if a.model else None
-    return serve_forever(topology, model, a.host, a.port, a.address)
+    return serve_forever(topology, model, a.host, a.port, a.address, a.quantization)
 
 
 def main(argv: list[str] | None = None) -> int:

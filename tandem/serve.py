@@ -86,7 +86,14 @@ def wait_port_free(host: str, port: int, timeout_s: float) -> None:
         time.sleep(0.1)
 
 
-def deploy(topology: Path, model: Path | None, host: str, port: int, address: str | None) -> str:
+def deploy(
+    topology: Path,
+    model: Path | None,
+    host: str,
+    port: int,
+    address: str | None,
+    quantization: str | None = None,
+) -> str:
     """Deploy the application; returns the base URL. A Ray this starts serves HTTP from the
     ingress replica (:func:`direct_ingress_env`) when there is one replica; a cluster joined
     at ``address``, a Ray already running in this process, or several replicas are served by
@@ -107,7 +114,11 @@ def deploy(topology: Path, model: Path | None, host: str, port: int, address: st
         init_ray()
         proxy_port = free_port(host)  # ``port`` is the replica's
     serve.start(http_options={"host": host, "port": proxy_port})
-    args = {"topology": str(topology), "model": str(model) if model else None}
+    args = {
+        "topology": str(topology),
+        "model": str(model) if model else None,
+        "quantization": quantization,
+    }
     serve.run(app_builder(args), name="tandem", route_prefix="/", blocking=False)
     return f"http://{host}:{port}"
 
@@ -136,7 +147,12 @@ def wait_until_ready(
 
 
 def serve_forever(
-    topology: Path, model: Path | None, host: str, port: int, address: str | None
+    topology: Path,
+    model: Path | None,
+    host: str,
+    port: int,
+    address: str | None,
+    quantization: str | None = None,
 ) -> int:
     loopback_env()
     import ray
@@ -160,7 +176,7 @@ def serve_forever(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(f"tandem: starting {topology} (model: {model or 'from the topology'})", file=sys.stderr)
     try:
-        url = deploy(topology, model, host, port, address)
+        url = deploy(topology, model, host, port, address, quantization)
         if wait_until_ready(url, stop=stop):
             print(f"tandem: serving the OpenAI API at {url}/v1 ({time.time() - started:.1f} s)")
             body = f'{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 16}}'

@@ -219,6 +219,17 @@ class Topology(ConfigSection):
         model = ModelSpec.model_validate({"path": path, "dtype": self.model.dtype})
         return self.model_copy(update={"model": model})
 
+    def with_quantization(self, quantization: str) -> Topology:
+        """This topology with every pool's engines on ``quantization`` (``--quantization``)."""
+        pools = {
+            name: pool.model_copy(
+                update={"engine": pool.engine.model_copy(update={"quantization": quantization})}
+            )
+            for name, pool in self.pools
+            if pool is not None
+        }
+        return self.model_copy(update={"pools": self.pools.model_copy(update=pools)})
+
     @field_validator("label_key")
     @classmethod
     def _check_label_key(cls, key: str) -> str:

@@ -157,6 +157,26 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
 
 
 @pytest.mark.e2e
+def test_serve_with_int8_weights_runs_every_worker_on_them(test_llama: Path) -> None:
+    """``tandem serve --quantization int8``: each worker of the topology reports the int8
+    numerics class in ``/cluster`` and the cluster answers."""
+    import urllib.request
+
+    with serving("--model", str(test_llama), "--quantization", "int8") as (port, _):
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/cluster", timeout=60) as reply:
+            workers = json.loads(reply.read())["workers"]
+        assert workers and {w["numerics"].split("/")[1] for w in workers} == {"int8"}
+        body = json.dumps({"model": test_llama.name, "prompt": "Hi", "max_tokens": 4}).encode()
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            assert json.loads(reply.read())["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.e2e
 def test_the_quick_start_serves_the_real_model_and_answers_for_real(smollm2: Path) -> None:
     """``tandem serve`` as the README types it (no --model, no --topology): local.yaml's
     built-in SmolLM2-135M-Instruct, under its name; the README's first question, asked with the

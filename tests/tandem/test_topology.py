@@ -129,6 +129,18 @@ def test_a_model_override_serves_that_checkpoint_under_its_dir_name() -> None:
     assert spec.model.name == "demo-small-llama"  # the original is untouched (frozen)
 
 
+def test_a_quantization_override_reaches_every_pools_engines() -> None:
+    """``tandem serve --quantization int8``: every declared pool's engines, nothing else."""
+    spec = Topology.from_yaml_text(f"model: {{demo_size: small}}\n{PAIR}")
+    moved = spec.with_quantization("int8")
+    pools = moved.pools.by_role()
+    assert pools and all(p.engine.quantization == "int8" for p in pools.values())
+    assert moved.pools.colocated is spec.pools.colocated is None
+    same = {r: p.engine.model_copy(update={"quantization": "none"}) for r, p in pools.items()}
+    assert same == {r: p.engine for r, p in spec.pools.by_role().items()}
+    assert all(p.engine.quantization == "none" for p in spec.pools.by_role().values())
+
+
 @pytest.mark.parametrize(
     ("transport", "gpus", "cluster_gpus", "expected"),
     [
