@@ -261,3 +261,9 @@ def clear_faults(workers: Sequence[str]) -> None:
             except ActorUnavailableError:
                 assert time.monotonic() < deadline, f"{name} did not come back"
                 time.sleep(0.2)
+
+
+def moves(url: str) -> float:
+    """Attempts the ingress at ``url`` retried or migrated, so far (its Prometheus counters)."""
+    names = ("tandem_retries_total", "tandem_migrations_total")
+    return sum(sum(metric(url, name)) for name in names)

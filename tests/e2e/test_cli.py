@@ -133,6 +133,20 @@ def serving(*args: str) -> Iterator[tuple[int, subprocess.Popen[str]]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def completion_tokens(port: int, model: str, max_tokens: int) -> int:
+    """One completion from the server on ``port``: the tokens its usage counts."""
+    import urllib.request
+
+    body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": max_tokens}).encode()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=body,
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=60) as reply:
+        return int(json.loads(reply.read())["usage"]["completion_tokens"])
+
+
 @pytest.mark.e2e
 def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
     """``tandem serve --model DIR`` starts its own loopback Ray cluster and the Serve app,
@@ -145,15 +159,7 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
         # --model serves that checkpoint under its directory's name, as vLLM does.
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as reply:
             assert [m["id"] for m in json.loads(reply.read())["data"]] == [test_llama.name]
-        body = json.dumps({"model": test_llama.name, "prompt": "Hi", "max_tokens": 4}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            answer = json.loads(reply.read())
-        assert answer["usage"]["completion_tokens"] == 4
+        assert completion_tokens(port, test_llama.name, 4) == 4
 
 
 @pytest.mark.e2e
@@ -166,14 +172,7 @@ def test_serve_with_int8_weights_runs_every_worker_on_them(test_llama: Path) -> 
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/cluster", timeout=60) as reply:
             workers = json.loads(reply.read())["workers"]
         assert workers and {w["numerics"].split("/")[1] for w in workers} == {"int8"}
-        body = json.dumps({"model": test_llama.name, "prompt": "Hi", "max_tokens": 4}).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/completions",
-            data=body,
-            headers={"Content-Type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=60) as reply:
-            assert json.loads(reply.read())["usage"]["completion_tokens"] == 4
+        assert completion_tokens(port, test_llama.name, 4) == 4
 
 
 @pytest.mark.e2e

@@ -13,9 +13,8 @@ from typing import Any
 import openai
 import pytest
 import ray
-from helpers import clear_faults
+from helpers import clear_faults, moves
 
-from chaos import probe
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from contracts.roles import NAMESPACE
 from engine.config import EngineConfig
@@ -65,12 +64,6 @@ def records_of(worker: str, response_id: str) -> list[Any]:
     """The terminal records ``worker``'s engine keeps for the attempts of one response."""
     records = ray.get(actor(worker).records.remote(), timeout=60)
     return [r for r in records if r.request_id.startswith(response_id)]
-
-
-def moves(url: str) -> float:
-    """Attempts the ingress retried or migrated, so far."""
-    names = ("tandem_retries_total", "tandem_migrations_total")
-    return sum(sum(probe.metric(url, name)) for name in names)
 
 
 def hit_tokens(worker: str) -> int:

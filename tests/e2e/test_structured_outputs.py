@@ -19,9 +19,8 @@ import openai
 import pydantic
 import pytest
 import ray
-from helpers import clear_faults
+from helpers import clear_faults, moves
 
-from chaos import probe
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from contracts.roles import NAMESPACE
 
@@ -153,12 +152,6 @@ def faults_on(workers: tuple[str, ...], fault: Fault) -> None:
     for name in workers:
         actor = ray.get_actor(name, namespace=NAMESPACE)
         ray.get(actor.set_faults.remote(FaultPlan([fault])), timeout=60)
-
-
-def moves(url: str) -> float:
-    """Attempts the ingress retried or migrated, so far."""
-    names = ("tandem_retries_total", "tandem_migrations_total")
-    return sum(sum(probe.metric(url, name)) for name in names)
 
 
 Reply = tuple[list[int], list[Any], str]
