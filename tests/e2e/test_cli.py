@@ -165,11 +165,11 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
 @pytest.mark.e2e
 def test_serve_with_int8_weights_runs_every_worker_on_them(test_llama: Path) -> None:
     """``tandem serve --quantization int8``: each worker of the topology reports the int8
-    numerics class in ``/cluster`` and the cluster answers."""
+    numerics class in ``/v1/cluster`` and the cluster answers."""
     import urllib.request
 
     with serving("--model", str(test_llama), "--quantization", "int8") as (port, _):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/cluster", timeout=60) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/cluster", timeout=60) as reply:
             workers = json.loads(reply.read())["workers"]
         assert workers and {w["numerics"].split("/")[1] for w in workers} == {"int8"}
         assert completion_tokens(port, test_llama.name, 4) == 4
