@@ -186,3 +186,21 @@ def test_without_the_bitmask_kernel_the_masks_give_the_same_draws(
     assert calls == [2]
     monkeypatch.setattr(kernels, "apply_token_bitmask", lambda *_: False)
     assert step() == with_kernel
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_the_top_lists_are_a_stable_sorts_first_entries(seed: int) -> None:
+    """The top lists come from the candidates at least as likely as the n-th (not a sort of the
+    vocabulary): the same ids and values as a stable descending sort's first n, on logits
+    rounded to bf16 as a bf16 model's are (ties everywhere), for any n up to the vocabulary."""
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = 1 + seed % 7, [5, 37, 300][seed % 3]
+    logits = (torch.randn(rows, vocab, generator=g) * (1 + seed % 4)).bfloat16().float()
+    if seed % 5 == 0:
+        logits[0] = 1.5  # a row of ties only
+    logp = log_softmax(logits)
+    values, ids = logp.sort(dim=-1, descending=True, stable=True)
+    for n in sorted({1, 2, 5, vocab // 2, vocab}):
+        out = token_logprobs(logits, [0] * rows, [n] * rows)
+        assert [[t for t, _ in o.top] for o in out] == ids[:, :n].tolist()
+        assert [[v for _, v in o.top] for o in out] == values[:, :n].tolist()
