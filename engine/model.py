@@ -74,8 +74,8 @@ class Linear:
       emulated bf16 GEMM (2.2x faster at one row, 5x at four).
     * ``plain`` -- anything else (fp32, CUDA): ``F.linear``.
     * ``int8`` -- W8A8 (engine/quantization.py, engine/csrc/int8_linear.cpp): the weight
-      quantized per output channel, each row of x per token, int32 sums -- exact, so invariant
-      like ``invariant``, with half the bf16 weight bytes.
+      quantized per output channel, x per token and group of 64 k, int32 sums per group met in
+      one fixed order -- invariant like ``invariant``, with half the bf16 weight bytes.
     """
 
     def __init__(
@@ -101,7 +101,7 @@ class Linear:
         if self.mode == "invariant":
             self.packed = kernels.pack_linear(weight, self.pairs)
             self.weight = None
-        self.int8: tuple[Tensor, Tensor, Tensor] | None = None  # packed, sums, scales
+        self.int8: tuple[Tensor, Tensor, Tensor] | None = None  # packed, group offsets, scales
         if self.mode == "int8":
             q, scale = quantize_rows(weight)
             self.int8 = (*kernels.pack_int8(q), scale)
@@ -130,8 +130,8 @@ class Linear:
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.int8 is not None:
-            packed, sums, scale = self.int8
-            return kernels.int8_linear(x, packed, sums, scale, self.out_features, self.bias)
+            packed, offsets, scale = self.int8
+            return kernels.int8_linear(x, packed, offsets, scale, self.out_features, self.bias)
         if self.mode == "invariant":
             assert self.packed is not None
             return kernels.invariant_linear(

@@ -44,8 +44,11 @@ def check_deterministic(config: EngineConfig, device: torch.device) -> None:
             f"attention_backend sdpa is not batch-invariant (its reduction order depends on "
             f"the query count); use auto or cpu_kernel, or {fix}"
         )
-    needed = ("invariant_linear", "paged_decode_attention")
-    missing = [name for name in needed if kernels.load(name) is None]
+    missing = [
+        name
+        for name in ("invariant_linear", "paged_decode_attention")
+        if kernels.load(name) is None
+    ]
     if missing:
         raise DeterminismUnavailable(
             f"the compiled CPU kernels {', '.join(missing)} are unavailable (no C++ compiler or "
