@@ -151,6 +151,8 @@ class Metrics:
         )
         self.failures = FailureCounts()
         r.register(self.failures)
+        self.speculation = SpeculationCounts()
+        r.register(self.speculation)
         # Every cause is exported from the start (at 0), so a rate() over it is defined
         # before the first rejection.
         for cause in REJECTION_CAUSES:
@@ -399,6 +401,30 @@ class FailureCounts(Collector):
         )
         waited.add_metric([], self.reservations_waited)
         yield waited
+
+
+class SpeculationCounts(Collector):
+    """Speculative decoding over every worker (docs/design.md#speculative-decoding), as vLLM
+    names it: verifications that carried drafts, draft tokens verified, draft tokens accepted.
+    Summed from the workers' last reports at each scrape; ``accepted / draft_tokens`` is the
+    acceptance rate, ``1 + accepted / drafts`` the mean acceptance length."""
+
+    def __init__(self) -> None:
+        self.totals: list[tuple[int, int, int]] = []  # per worker: steps, drafted, accepted
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        names = (
+            ("tandem_spec_decode_num_drafts", "Verification steps that carried drafts."),
+            ("tandem_spec_decode_num_draft_tokens", "Draft tokens verified."),
+            (
+                "tandem_spec_decode_num_accepted_tokens",
+                "Draft tokens accepted: equal to the token sampled at their place.",
+            ),
+        )
+        for column, (name, doc) in enumerate(names):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], sum(t[column] for t in self.totals))
+            yield family
 
 
 def log_record(t: RequestTiming) -> str:

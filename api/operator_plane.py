@@ -103,6 +103,9 @@ class OperatorPlane:
             failures.leases_expired = sum(s.report.leases_expired for s in states)
             failures.imports_parked = sum(s.report.imports_parked for s in states)
             failures.reservations_waited = sum(s.report.reservations_waited for s in states)
+            self.metrics.speculation.totals = [
+                (s.report.spec_steps, s.report.spec_drafted, s.report.spec_accepted) for s in states
+            ]
             for s in states:
                 if s.healthy:
                     r = s.report
@@ -180,4 +183,10 @@ def worker_view(s: WorkerState) -> dict[str, Any]:
         "prefix_hit_ratio": s.report.prefix_hit_ratio,
         "numerics": s.info.numerics,  # its numerics class: requests never cross one
         "cpu_capability": s.info.cpu_capability,
+        # Its speculative decoding since it started (docs/design.md#speculative-decoding).
+        "speculation": {
+            "drafts": s.report.spec_steps,
+            "draft_tokens": s.report.spec_drafted,
+            "accepted_tokens": s.report.spec_accepted,
+        },
     }

@@ -45,7 +45,7 @@ from engine.engine import LLMEngine, RequestRejected
 from engine.kv_cache_manager import KVStats
 from engine.kv_surface import KVSurface
 from engine.outputs import BackpressureStats, TokenDelta
-from engine.request import EngineRequest, RecordLog, Request, TerminalRecord
+from engine.request import EngineRequest, RecordLog, Request, SpecStats, TerminalRecord
 from engine.request_stream import RequestStream, wake_all
 from engine.sampling_params import SamplingParams
 
@@ -120,6 +120,7 @@ class AsyncLLMEngine:
         # Published by the engine thread after every tick, read by anyone.
         self._snap_lock = threading.Lock()
         self._kv_stats = engine.kv.stats()
+        self._speculation = dataclasses.replace(engine.speculation)
         self._records: RecordLog[TerminalRecord] = RecordLog()
         self._records_seen = 0  # scheduler records copied into _records
         self._bp = BackpressureStats(0, 0, 0)
@@ -267,6 +268,11 @@ class AsyncLLMEngine:
         """The KV pools as of the end of the last tick (thread-safe snapshot)."""
         with self._snap_lock:
             return self._kv_stats
+
+    def speculation(self) -> SpecStats:
+        """Every request's drafts so far, summed (a snapshot as of the last tick)."""
+        with self._snap_lock:
+            return self._speculation
 
     def records(self) -> list[TerminalRecord]:
         """The latest terminal records (up to ``RECORDS_KEPT``), in order (a copy)."""
@@ -521,6 +527,7 @@ class AsyncLLMEngine:
         fresh, self._records_seen = records.since(self._records_seen), records.total
         with self._snap_lock:
             self._kv_stats = stats
+            self._speculation = dataclasses.replace(self.engine.speculation)
             for record in fresh:
                 self._records.append(record)
 

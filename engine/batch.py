@@ -20,11 +20,20 @@ class ScheduledChunk:
     sample: bool  # chunk ends at the sequence's last token: the runner returns its logits
     # Prompt logprobs asked: the runner returns every row's logits, not only the last one's.
     all_logits: bool = False
+    # Speculation: the last num_drafts token ids are guesses to verify, each row sampled
+    # (docs/design.md#speculative-decoding).
+    num_drafts: int = 0
 
     @property
     def num_logit_rows(self) -> int:
         """How many of the chunk's rows, its last ones, the runner returns logits for."""
-        return len(self.token_ids) if self.all_logits else int(self.sample)
+        if self.all_logits:
+            return len(self.token_ids)
+        return self.num_drafts + 1 if self.sample else 0
+
+    @property
+    def drafts(self) -> list[int]:
+        return self.token_ids[len(self.token_ids) - self.num_drafts :]
 
 
 @dataclass

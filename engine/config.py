@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 if TYPE_CHECKING:  # imported where used: the router and the ingress read configs without torch
     import torch
@@ -54,6 +54,44 @@ class ConfigSection(BaseModel):
     unknown key (a typo in the file) or an inf / NaN is an error naming it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class SpeculativeConfig(ConfigSection):
+    """n-gram (prompt-lookup) speculative decoding (docs/design.md#speculative-decoding): drafts
+    copied from the sequence's own context, verified in one forward, accepted while they are
+    what the sampler draws -- the output is bitwise the output without speculation."""
+
+    method: Literal["ngram"] = Field("ngram", description="where drafts come from: 'ngram' only")
+    k: int = Field(8, ge=1, le=16, description="most draft tokens verified per step")
+    min_n: int = Field(
+        2,
+        ge=1,
+        description="shortest context suffix looked up: a one-token match is right too rarely "
+        "to pay for its verification (bench/spec_bench.py)",
+    )
+    max_n: int = Field(4, ge=1, description="longest context suffix looked up (tried first)")
+    threshold: float = Field(
+        0.2,
+        ge=0.0,
+        le=1.0,
+        description="draft d tokens only while the chance that all d are accepted, estimated "
+        "from the request's own acceptance so far ((accepted + 1) / (drafted + 2), to the d-th "
+        "power), is at least this: a request whose drafts keep failing (text with nothing to "
+        "copy) stops paying for them",
+    )
+    max_batch: int = Field(
+        8,
+        ge=1,
+        description="speculate only while a step runs at most this many sequences: verifying k "
+        "drafts costs about one step where the step is weight-bound (small batches), and k more "
+        "rows of compute where it is not",
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SpeculativeConfig:
+        if self.min_n > self.max_n:
+            raise ValueError(f"speculative: min_n={self.min_n} > max_n={self.max_n}")
+        return self
 
 
 class EngineConfig(BaseModel):
@@ -131,6 +169,11 @@ class EngineConfig(BaseModel):
         "at run time, products summed in int32: exact, so as batch-, thread- and CPU-invariant "
         "as the default; half the bf16 weight bytes. Needs the compiled int8 kernel; engines "
         "with and without it are different numerics classes (never paired)",
+    )
+    speculative: SpeculativeConfig | None = Field(
+        None,
+        description="n-gram speculative decoding (docs/design.md#speculative-decoding); None: off. "
+        "Exact: a request's tokens and logprobs are the same bits with it on",
     )
     num_threads: int | None = Field(
         None,

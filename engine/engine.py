@@ -25,10 +25,18 @@ from engine.kv_cache_manager import KVCacheManager
 from engine.loader import load_checkpoint
 from engine.model_runner import ModelRunner
 from engine.outputs import SamplingSnapshot, TokenDelta, TokenLogprobs
-from engine.request import EngineRequest, FinishReason, Request, RequestStatus, TerminalRecord
+from engine.request import (
+    EngineRequest,
+    FinishReason,
+    Request,
+    RequestStatus,
+    SpecStats,
+    TerminalRecord,
+)
 from engine.sampler import Sampler, SamplingState, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.speculative import NgramIndex, drafts_worth
 from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
 
@@ -64,6 +72,7 @@ class _Sequence:
     # Filled position by position as its prefill chunks run (prompt logprobs asked).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     snapshots: bool = False  # attach the sampler state to every output
+    ngrams: NgramIndex | None = None  # its context's n-grams, once it speculates
 
 
 class LLMEngine:
@@ -101,6 +110,9 @@ class LLMEngine:
         self._seqs: dict[str, _Sequence] = {}
         self._finished: list[CompletionOutput] = []
         self._ids = itertools.count()
+        self.speculation = SpecStats()  # every request's drafts, summed
+        if config.speculative is not None:
+            self.scheduler.drafter = self._draft
 
     @classmethod
     def from_checkpoint(
@@ -306,8 +318,12 @@ class LLMEngine:
         outputs: list[TokenDelta] = []
         if out.chunks:
             logits = self._take_prompt_logprobs(out.chunks, self.runner.execute(out))
+            logits, drafts = _draft_rows(out.chunks, logits)
             sampled = self._sample(out.sampled_ids, logits)
-            outputs += [self._emit(r) for r in self.scheduler.update_from_output(out, sampled)]
+            emitted = [self._emit(r) for r in self.scheduler.update_from_output(out, sampled)]
+            if drafts:
+                emitted = _merged(emitted + self._verify(drafts))
+            outputs += emitted
         # Requests that ended without a token this step (abort, deadline, stop-string cut).
         ended = [rid for rid, seq in self._seqs.items() if seq.request.is_finished]
         outputs += [self._finish(rid) for rid in ended]
@@ -317,7 +333,8 @@ class LLMEngine:
         self, chunks: list[ScheduledChunk], logits: torch.Tensor
     ) -> torch.Tensor:
         """Record the prompt logprobs the runner's extra rows hold (the chunks with
-        ``all_logits``); returns the sampling rows alone, in ``sampled_ids`` order."""
+        ``all_logits``); returns the sampling rows alone (with a chunk's drafts' rows after
+        its own), in ``sampled_ids`` order."""
         if not any(c.all_logits for c in chunks):
             return logits
         keep: list[int] = []
@@ -326,8 +343,9 @@ class LLMEngine:
             n = c.num_logit_rows
             if c.all_logits:
                 self._record_prompt_logprobs(c, logits[row : row + n - c.sample])
-            if c.sample:
-                keep.append(row + n - 1)
+                keep += [row + n - 1] if c.sample else []
+            else:
+                keep += range(row, row + n)
             row += n
         return logits[torch.tensor(keep, dtype=torch.long, device=logits.device)]
 
@@ -371,6 +389,60 @@ class LLMEngine:
             if lp is not None:
                 self._seqs[rid].logprobs.append(lp)
         return dict(zip(ids, result.token_ids, strict=True))
+
+    # -- speculation (docs/design.md#speculative-decoding) ---------------------------------------
+
+    def _draft(self, req: Request, most: int) -> list[int]:
+        """The scheduler's draft source: n-gram drafts from the request's own context, cut
+        where its grammar (structured outputs) would reject one."""
+        spec = self.config.speculative
+        assert spec is not None  # the scheduler asks only when speculation is on
+        most = min(most, drafts_worth(req.speculation, spec.k, spec.threshold))
+        if most < 1:
+            return []
+        seq = self._seqs[req.request_id]
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(spec.min_n, spec.max_n)
+        seq.ngrams.sync(req.prompt_token_ids, req.output_token_ids)
+        drafts = seq.ngrams.propose(most)
+        grammar = seq.sampling.grammar
+        if drafts and grammar is not None:
+            grammar.sync(req.output_token_ids)
+            drafts = drafts[: grammar.matcher.validate_tokens(drafts)]
+        return drafts
+
+    def _verify(self, verify: dict[str, tuple[list[int], Tensor]]) -> list[TokenDelta]:
+        """Accept drafts position by position, exactly as plain decoding would have gone: while
+        a request's last token is the draft at that place (its KV, computed by the step, is
+        then the token's own), sample the draft's row with the request's state as it now stands
+        -- the same state, position-keyed draw and logits (deterministic numerics) as the
+        decode step that would have computed it -- and commit that token with every stop
+        check. The first token that differs from its draft ends the request's verification."""
+        outputs: list[TokenDelta] = []
+        accepted = dict.fromkeys(verify, 0)
+        for j in range(max(len(drafts) for drafts, _ in verify.values())):
+            live = [
+                rid
+                for rid, (drafts, _) in verify.items()
+                if accepted[rid] == j and j < len(drafts) and self._takes(rid, drafts[j])
+            ]
+            if not live:
+                break
+            rows = torch.stack([verify[rid][1][j] for rid in live])
+            for rid, token in self._sample(live, rows).items():
+                if self.scheduler.accept_draft(rid, token):
+                    accepted[rid] += 1
+                    outputs.append(self._emit(self._seqs[rid].request))
+        for rid, (drafts, _) in verify.items():
+            self._seqs[rid].request.speculation.add(len(drafts), accepted[rid])
+            self.speculation.add(len(drafts), accepted[rid])
+            self.scheduler.end_verification(rid)
+        return outputs
+
+    def _takes(self, rid: str, draft: int) -> bool:
+        """Whether ``rid`` decodes on and its last token is ``draft``."""
+        req = self._seqs[rid].request
+        return req.status is RequestStatus.DECODING and req.output_token_ids[-1] == draft
 
     def _emit(self, req: Request) -> TokenDelta:
         seq = self._seqs[req.request_id]
@@ -464,6 +536,34 @@ class LLMEngine:
             for o in self.step():
                 if o.request_id == rid:
                     yield o
+
+
+def _draft_rows(
+    chunks: list[ScheduledChunk], logits: Tensor
+) -> tuple[Tensor, dict[str, tuple[list[int], Tensor]]]:
+    """Split the sampling rows: each chunk's own row (what ``sampled_ids`` samples), and per
+    chunk with drafts, its drafts and their rows (what verification samples)."""
+    if not any(c.num_drafts for c in chunks):
+        return logits, {}
+    first: list[int] = []
+    verify: dict[str, tuple[list[int], Tensor]] = {}
+    row = 0
+    for c in chunks:
+        if c.sample:
+            first.append(row)
+            if c.num_drafts:
+                verify[c.request_id] = (c.drafts, logits[row + 1 : row + 1 + c.num_drafts])
+            row += 1 + c.num_drafts
+    return logits[torch.tensor(first, device=logits.device)], verify
+
+
+def _merged(deltas: list[TokenDelta]) -> list[TokenDelta]:
+    """One delta per sequence: a verification commits several tokens in one step."""
+    merged: dict[tuple[str, int], TokenDelta] = {}
+    for d in deltas:
+        key = (d.request_id, d.index)
+        merged[key] = merged[key].then(d) if key in merged else d
+    return list(merged.values())
 
 
 def _completion(seq: _Sequence, record: TerminalRecord, reason: FinishReason) -> CompletionOutput:

@@ -383,6 +383,20 @@ class KVCacheManager:
             self.host_pool.free(seq.host_blocks)
         return seq is not None or reserved is not None
 
+    def rollback(self, request: Request) -> None:
+        """Take back what a verification wrote for rejected drafts (docs/design.md
+        #speculative-decoding): the request now covers its computed tokens, and the blocks past
+        the one its next token goes into return to the pool. They were never cached (only
+        blocks full of known tokens are) and nobody else holds them (they were fresh)."""
+        seq = self._seqs.get(request.request_id)
+        if seq is None:
+            return
+        seq.num_slots = request.num_computed_tokens
+        keep = self.blocks_for(request.num_tokens)
+        if len(seq.blocks) > keep:
+            self.pool.decref(seq.blocks[keep:][::-1])
+            del seq.blocks[keep:]
+
     def can_swap_out(self, request_id: str) -> bool:
         seq = self._seqs.get(request_id)
         return seq is not None and bool(seq.blocks) and len(seq.blocks) <= self.host_pool.num_free

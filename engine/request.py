@@ -134,6 +134,33 @@ class RequestTimes:
     finished: float | None = None
 
 
+@dataclass
+class SpecStats:
+    """Seed §7's accounting of speculation (docs/design.md#speculative-decoding), for one
+    request or one engine: verification steps that carried drafts, draft tokens verified, and
+    those accepted (equal to the token drawn at their place)."""
+
+    num_steps: int = 0
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.num_steps += 1
+        self.num_drafted += drafted
+        self.num_accepted += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted draft tokens (0 when nothing was drafted)."""
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verification step commits on average: its accepted drafts plus the token it
+        draws itself (1 when nothing was drafted)."""
+        return 1 + self.num_accepted / self.num_steps if self.num_steps else 1.0
+
+
 @dataclass(frozen=True)
 class TerminalRecord:
     """Exactly one per request (docs/design.md#cleanup): what billing and logs read."""
@@ -150,6 +177,7 @@ class TerminalRecord:
     finished: float
     error: str | None = None
     queue_time_s: float | None = None  # queued -> first scheduled; None if never scheduled
+    speculation: SpecStats | None = None  # its drafts, when it speculated
 
 
 R = TypeVar("R")
@@ -269,6 +297,7 @@ class Request:
     num_generated: int = 0
     num_emitted: int = 0
     num_preemptions: int = 0
+    speculation: SpecStats = field(default_factory=SpecStats)
     finish_reason: FinishReason | None = None
     error: str | None = None
     record: TerminalRecord | None = None

@@ -20,6 +20,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from engine import metrics
 from engine.admission import Admission, AdmissionResult, NoRoom
@@ -62,6 +63,10 @@ class Scheduler:
         self._backpressured: set[str] = set()  # the client is behind: generate nothing more
         self._in_flight: set[str] = set()  # ids scheduled by the last schedule(), until update
         self._riders: dict[str, list[Request]] = {}  # parent id -> children forked mid-step
+        # Speculation (docs/design.md#speculative-decoding): the engine's draft source, given a
+        # decoding request and the most drafts it may take; this step's drafts by request id.
+        self.drafter: Callable[[Request, int], list[int]] | None = None
+        self._drafts: dict[str, list[int]] = {}
 
     # -- admission, phase 2 (docs/design.md#admission-phase-2) --
 
@@ -163,16 +168,19 @@ class Scheduler:
             if req.status is S.RUNNABLE:
                 req.transition(S.PREFILLING)
             start = req.num_computed_tokens
+            drafts = self._drafts.get(rid, [])
             out.chunks.append(
                 ScheduledChunk(
                     request_id=rid,
-                    token_ids=token_slice(req, start, start + n),
+                    token_ids=token_slice(req, start, start + n - len(drafts)) + drafts,
                     start_pos=start,
                     block_table=self.kv.block_table(rid),
-                    sample=start + n == req.num_tokens,
+                    sample=start + n - len(drafts) == req.num_tokens,
                     all_logits=req.needs_prompt_logits,
+                    num_drafts=len(drafts),
                 )
             )
+        self._drafts = {}
         out.copy_blocks = self.kv.take_pending_copies()
         self._in_flight = set(scheduled)
         return out
@@ -199,6 +207,7 @@ class Scheduler:
             if not req.is_finished and req.status not in (S.BACKPRESSURED, S.WAITING_FOR_KV):
                 n = self._chunk_size(req, len(plan), num_tokens)
                 if n:
+                    n += self._draft(req, n, num_tokens)
                     plan[req.request_id] = n
                     planned.append(req)
                     num_tokens += n
@@ -210,6 +219,12 @@ class Scheduler:
             if req.request_id in preempted:
                 continue  # preempted as a victim earlier in this loop
             n = plan[req.request_id]
+            if req.request_id in self._drafts:
+                if self.kv.allocate_slots(req, n) is not None:
+                    scheduled[req.request_id] = n
+                    continue
+                # Drafts only take free blocks: never preempt anyone for a guess.
+                n -= len(self._drafts.pop(req.request_id))
             while self.kv.allocate_slots(req, n) is None:
                 victim = self._pick_victim(req, scheduled)
                 if victim is None:
@@ -224,6 +239,29 @@ class Scheduler:
             else:
                 scheduled[req.request_id] = n
         return bool(preempted)
+
+    def _draft(self, req: Request, n: int, num_tokens: int) -> int:
+        """Propose drafts for a decoding request's step of ``n`` (its one new token); returns
+        how many it got. Bounded by the token budget and so that the verification never writes
+        KV at a position a plain decode would not reach (the last token below ``max_tokens``
+        and the context limit is never computed)."""
+        if (
+            self.drafter is None
+            or self.config.speculative is None
+            or n != 1
+            or req.status is not S.DECODING
+            or len(self._running) > self.config.speculative.max_batch
+        ):
+            return 0
+        most = min(
+            req.sampling_params.max_tokens - len(req.output_token_ids) - 1,
+            self.max_model_len - req.num_tokens - 1,
+            self.config.max_num_batched_tokens - num_tokens - n,
+        )
+        drafts = self.drafter(req, most) if most > 0 else []
+        if drafts:
+            self._drafts[req.request_id] = drafts
+        return len(drafts)
 
     def _victim_key(self, r: Request) -> tuple[bool, int, float]:
         """Larger is preempted first: backpressured, then lowest priority, then latest arrival."""
@@ -340,23 +378,46 @@ class Scheduler:
             for req in (parent, *riders):
                 if req is None or req.is_finished:
                     continue  # ended while the step ran; its token is dropped
-                req.num_computed_tokens = chunk.start_pos + len(chunk.token_ids)
-                if not chunk.sample:
-                    continue
-                token = sampled[req.request_id]
-                req.output_token_ids.append(token)
-                req.num_generated += 1
-                if req.status is S.PREFILLING:
-                    req.transition(S.DECODING)
-                got.append(req)
-                reason = self._stop_reason(req, token)
-                if reason is None and req.prefill_only:
-                    reason = FinishReason.HANDED_OFF
-                if reason is not None:
-                    self.finish_request(req.request_id, reason)
-                elif req.request_id in self._backpressured and req.status is S.DECODING:
-                    req.transition(S.BACKPRESSURED)
+                # Drafts' KV counts only once they are accepted (accept_draft).
+                req.num_computed_tokens = chunk.start_pos + len(chunk.token_ids) - chunk.num_drafts
+                if chunk.sample:
+                    self._append(req, sampled[req.request_id])
+                    got.append(req)
         return got
+
+    def accept_draft(self, request_id: str, token: int) -> bool:
+        """Speculation: the request's last token equals the draft verified after it, so that
+        draft's KV (computed by the step) is its KV; count it and append ``token``, the token
+        sampled from the draft's row. False, changing nothing, when the request may not take
+        one more token now (it ended, or its client is behind)."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is not S.DECODING:
+            return False
+        if req.num_computed_tokens != req.num_tokens - 1:
+            raise ValueError(f"accept_draft: request {request_id} has no token awaiting its KV")
+        req.num_computed_tokens += 1
+        self._append(req, token)
+        return True
+
+    def end_verification(self, request_id: str) -> None:
+        """The request's drafts are settled: free the KV written for the rejected ones."""
+        req = self._requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self.kv.rollback(req)
+
+    def _append(self, req: Request, token: int) -> None:
+        """Commit one sampled token and apply the token-level stops (tick step 7)."""
+        req.output_token_ids.append(token)
+        req.num_generated += 1
+        if req.status is S.PREFILLING:
+            req.transition(S.DECODING)
+        reason = self._stop_reason(req, token)
+        if reason is None and req.prefill_only:
+            reason = FinishReason.HANDED_OFF
+        if reason is not None:
+            self.finish_request(req.request_id, reason)
+        elif req.request_id in self._backpressured and req.status is S.DECODING:
+            req.transition(S.BACKPRESSURED)
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp = req.sampling_params
@@ -426,6 +487,7 @@ class Scheduler:
             finished=req.times.finished,
             error=req.error,
             queue_time_s=metrics.queue_time(req.times),
+            speculation=replace(req.speculation) if req.speculation.num_steps else None,
         )
         self.records.append(req.record)
         return req.record

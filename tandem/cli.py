@@ -23,6 +23,10 @@ import sys
 import time
 from importlib.metadata import entry_points
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.request import SpecStats
 
 
 def _add_sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -87,11 +91,9 @@ def cmd_generate(a: argparse.Namespace) -> int:
     model = Path(a.model) if a.model else ensure_demo_model()
     if is_gguf(model):
         model = ensure_gguf_checkpoint(model)
-    config = EngineConfig(
-        dtype=a.dtype,
-        kv_cache_bytes=a.kv_cache_mb * 2**20,
-        device=a.device,
-        quantization=a.quantization,
+    config = EngineConfig.model_validate(
+        {"dtype": a.dtype, "kv_cache_bytes": a.kv_cache_mb * 2**20, "device": a.device}
+        | _engine_settings(a)
     )
     engine = LLMEngine.from_checkpoint(model, config)
     prompt: str = a.prompt
@@ -115,6 +117,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
                     "finish_reason": r.finish_reason.value,
                     "logprobs": r.logprobs,
                     "timing": r.timing,
+                    "speculation": _speculation(r.record.speculation),
                 }
             )
         cold = (first_token_at - t_start) if first_token_at is not None else None
@@ -128,6 +131,19 @@ def cmd_generate(a: argparse.Namespace) -> int:
     else:
         sys.stdout.write("\n")
     return 0
+
+
+def _speculation(stats: SpecStats | None) -> dict[str, float] | None:
+    """A request's drafts, as ``--json`` prints them (None: it never drafted)."""
+    if stats is None:
+        return None
+    return {
+        "drafts": stats.num_steps,
+        "draft_tokens": stats.num_drafted,
+        "accepted_tokens": stats.num_accepted,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_acceptance_length": stats.mean_acceptance_length,
+    }
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,12 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     g.add_argument("--json", action="store_true", help="print ids, text, finish reason, timing")
     g.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto")
-    g.add_argument(
-        "--quantization",
-        choices=["none", "int8"],
-        default="none",
-        help="int8: W8A8 linear layers (docs/design.md#quantization)",
-    )
+    _add_engine_flags(g)
     g.add_argument("--device", default="auto")
     g.add_argument("--kv-cache-mb", type=int, default=256)
     _add_sampling_flags(g)
@@ -171,12 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--address", default=None, help="join this Ray cluster (default: start one)")
-    s.add_argument(
-        "--quantization",
-        choices=["none", "int8"],
-        default=None,
-        help="every worker's weights: int8 = W8A8 (default: the topology's engine setting)",
-    )
+    _add_engine_flags(s)
     s.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("status", help="the cluster as its router sees it (GET /v1/cluster)")
@@ -198,6 +204,39 @@ def build_parser() -> argparse.ArgumentParser:
     for command in entry_points(group="tandem.commands"):
         command.load()(sub)
     return p
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Engine settings (on ``serve``: over every pool's; unset: the topology's own)."""
+    p.add_argument(
+        "--quantization",
+        choices=["none", "int8"],
+        default=None,
+        help="int8: W8A8 linear layers (docs/design.md#quantization)",
+    )
+    p.add_argument(
+        "--speculative",
+        choices=["ngram"],
+        default=None,
+        help="ngram: prompt-lookup speculative decoding, exact (docs/design.md"
+        "#speculative-decoding)",
+    )
+    p.add_argument(
+        "--speculative-k", type=int, default=None, help="most draft tokens per step (default 4)"
+    )
+
+
+def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
+    """The engine settings the flags set (none unset)."""
+    settings: dict[str, Any] = {}
+    if a.quantization:
+        settings["quantization"] = a.quantization
+    if a.speculative_k is not None and not a.speculative:
+        raise ValueError("--speculative-k needs --speculative")
+    if a.speculative:
+        spec = {"method": a.speculative}
+        settings["speculative"] = spec if a.speculative_k is None else spec | {"k": a.speculative_k}
+    return settings
 
 
 def cmd_testbed_up(a: argparse.Namespace) -> int:
@@ -277,7 +316,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
     topology = Path(a.topology) if a.topology else DEFAULT_TOPOLOGY
     model = Path(a.model) if a.model else None
-    return serve_forever(topology, model, a.host, a.port, a.address, a.quantization)
+    return serve_forever(topology, model, a.host, a.port, a.address, _engine_settings(a))
 
 
 def main(argv: list[str] | None = None) -> int:

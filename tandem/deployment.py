@@ -113,14 +113,14 @@ def service_for(cluster: Cluster, model_dir: Path) -> Service:
 @serve.ingress(app)
 class Ingress:
     async def __init__(  # type: ignore[misc]
-        self, topology: str, model: str | None = None, quantization: str | None = None
+        self, topology: str, model: str | None = None, engine: dict[str, Any] | None = None
     ) -> None:
         rebind_after_a_crash()
         spec = load_topology(topology)
         if model:
             spec = spec.with_model_path(Path(model))
-        if quantization:
-            spec = spec.with_quantization(quantization)
+        if engine:
+            spec = spec.with_engine(engine)
         model_dir = model_dir_of(spec)
         self.cluster: Cluster = await start_cluster(spec, model_dir=model_dir)
         self.service = service_for(self.cluster, model_dir)
@@ -182,11 +182,11 @@ class Ingress:
 def app_builder(args: dict[str, Any]) -> Application:
     """Serve's application builder (``import_path: tandem.deployment:app_builder``); ``args``:
     ``topology`` (a topology YAML path; default ``deploy/topologies/local.yaml``), optional
-    ``model`` (a checkpoint directory overriding the topology's) and ``quantization`` (every
-    pool's engines', overriding the topology's)."""
+    ``model`` (a checkpoint directory overriding the topology's) and ``engine`` (engine
+    settings over every pool's, e.g. ``{"quantization": "int8"}``)."""
     topology = str(args.get("topology") or DEFAULT_TOPOLOGY)
     model = args.get("model")
     replicas = load_topology(topology).serve.num_replicas
     ingress = Ingress.options(num_replicas=replicas)  # type: ignore[attr-defined]
-    bound = ingress.bind(topology, str(model) if model else None, args.get("quantization"))
+    bound = ingress.bind(topology, str(model) if model else None, args.get("engine"))
     return bound  # type: ignore[no-any-return]

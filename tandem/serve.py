@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from tandem.bootstrap import init_ray, loopback_env
 from tandem.topology import load_topology
@@ -92,7 +93,7 @@ def deploy(
     host: str,
     port: int,
     address: str | None,
-    quantization: str | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> str:
     """Deploy the application; returns the base URL. A Ray this starts serves HTTP from the
     ingress replica (:func:`direct_ingress_env`) when there is one replica; a cluster joined
@@ -117,7 +118,7 @@ def deploy(
     args = {
         "topology": str(topology),
         "model": str(model) if model else None,
-        "quantization": quantization,
+        "engine": engine,
     }
     serve.run(app_builder(args), name="tandem", route_prefix="/", blocking=False)
     return f"http://{host}:{port}"
@@ -152,8 +153,9 @@ def serve_forever(
     host: str,
     port: int,
     address: str | None,
-    quantization: str | None = None,
+    engine: dict[str, Any] | None = None,
 ) -> int:
+    """Serve until Ctrl-C; ``engine``: settings over every pool's engine settings."""
     loopback_env()
     import ray
     from ray import serve
@@ -164,6 +166,7 @@ def serve_forever(
     spec = load_topology(topology)  # fails fast on a bad file, before Ray starts
     port = free_port(host, port)  # and on a port in use; --port 0 picks one
     spec = spec.with_model_path(model) if model else spec
+    spec = spec.with_engine(engine) if engine else spec  # a bad setting fails here, early
     if not address:
         # A built-in model or a GGUF file's checkpoint is built here, once per machine, before
         # Ray starts: its progress shows, and a missing download or an unsupported file is one
@@ -176,7 +179,7 @@ def serve_forever(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     print(f"tandem: starting {topology} (model: {model or 'from the topology'})", file=sys.stderr)
     try:
-        url = deploy(topology, model, host, port, address, quantization)
+        url = deploy(topology, model, host, port, address, engine)
         if wait_until_ready(url, stop=stop):
             print(f"tandem: serving the OpenAI API at {url}/v1 ({time.time() - started:.1f} s)")
             body = f'{{"model": "{name}", "prompt": "Once upon a time", "max_tokens": 16}}'

@@ -219,11 +219,17 @@ class Topology(ConfigSection):
         model = ModelSpec.model_validate({"path": path, "dtype": self.model.dtype})
         return self.model_copy(update={"model": model})
 
-    def with_quantization(self, quantization: str) -> Topology:
-        """This topology with every pool's engines on ``quantization`` (``--quantization``)."""
+    def with_engine(self, settings: dict[str, Any]) -> Topology:
+        """This topology with ``settings`` (engine config fields, as in a file) over every
+        pool's engine settings (``tandem serve --quantization / --speculative``); checked as
+        the file's are."""
         pools = {
             name: pool.model_copy(
-                update={"engine": pool.engine.model_copy(update={"quantization": quantization})}
+                update={
+                    "engine": EngineConfig.model_validate(
+                        {**pool.engine.model_dump(exclude_unset=True), **settings}
+                    )
+                }
             )
             for name, pool in self.pools
             if pool is not None

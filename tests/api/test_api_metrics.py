@@ -451,6 +451,9 @@ def test_worker_view_names_the_state_and_every_field() -> None:
         cached_blocks=7,
         numerics="bfloat16/invariant/columns",
         cpu_capability="AVX2",
+        spec_steps=3,
+        spec_drafted=12,
+        spec_accepted=7,
     )
     assert worker_view(s) == {
         "name": "decode-1",
@@ -466,6 +469,7 @@ def test_worker_view_names_the_state_and_every_field() -> None:
         "prefix_hit_ratio": 0.5,
         "numerics": "bfloat16/invariant/columns",
         "cpu_capability": "AVX2",
+        "speculation": {"drafts": 3, "draft_tokens": 12, "accepted_tokens": 7},
     }
     starting = worker_state("decode-0", Role.DECODE, "a", healthy=False)
     assert worker_view(starting)["state"] == "starting"
@@ -543,3 +547,13 @@ def test_failure_counters_are_exported_with_every_label_from_the_start() -> None
     assert value(got, "tandem_kv_lease_expired_total") == 5
     assert value(got, "tandem_kv_imports_parked_total") == 6
     assert value(got, "tandem_decode_reservations_waited_total") == 7
+
+
+def test_speculation_counters_sum_the_workers_last_reports() -> None:
+    m = Metrics()
+    names = ("drafts", "draft_tokens", "accepted_tokens")
+    for name in names:
+        assert value(samples(m), f"tandem_spec_decode_num_{name}_total") == 0
+    m.speculation.totals = [(2, 8, 5), (1, 4, 0), (0, 0, 0)]
+    got = samples(m)
+    assert [value(got, f"tandem_spec_decode_num_{n}_total") for n in names] == [3, 12, 5]

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -78,6 +79,23 @@ def test_generate_with_int8_weights_gives_the_int8_engines_tokens(bf16_llama: Pa
     assert o["token_ids"] == refs["int8"].token_ids != refs["none"].token_ids
 
 
+def test_generate_with_speculation_gives_the_plain_engines_tokens(bf16_llama: Path) -> None:
+    """``--speculative ngram``: a greedy run over a repeating prompt draws the plain engine's
+    tokens (speculation is exact) and ``--speculative-k`` alone is a clear error."""
+    prompt = "one two three four " * 6
+    args = ("generate", "--model", str(bf16_llama), "--prompt", prompt, "--max-tokens", "32")
+    r = run(*args, "--ignore-eos", "--json", "--temperature", "0", "--speculative", "ngram")
+    assert r.returncode == 0, r.stderr
+    [o] = json.loads(r.stdout)["outputs"]
+    engine = LLMEngine.from_checkpoint(bf16_llama, EngineConfig(kv_cache_bytes=256 * 2**20))
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    [[ref]] = engine.generate([prompt], params)
+    assert o["token_ids"] == ref.token_ids
+    assert o["speculation"]["draft_tokens"] > 0
+    bad = run(*args, "--speculative-k", "3")
+    assert bad.returncode == 2 and "--speculative-k needs --speculative" in bad.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -133,11 +151,12 @@ def serving(*args: str) -> Iterator[tuple[int, subprocess.Popen[str]]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def completion_tokens(port: int, model: str, max_tokens: int) -> int:
-    """One completion from the server on ``port``: the tokens its usage counts."""
+def completion_tokens(port: int, model: str, max_tokens: int, **fields: object) -> int:
+    """One completion from the server on ``port`` (``fields``: more of the body's): the tokens
+    its usage counts."""
     import urllib.request
 
-    body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": max_tokens}).encode()
+    body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": max_tokens, **fields}).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
         data=body,
@@ -163,16 +182,34 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
 
 
 @pytest.mark.e2e
-def test_serve_with_int8_weights_runs_every_worker_on_them(test_llama: Path) -> None:
-    """``tandem serve --quantization int8``: each worker of the topology reports the int8
-    numerics class in ``/v1/cluster`` and the cluster answers."""
+def test_serve_with_int8_weights_and_speculation_runs_every_worker_on_them(
+    test_llama: Path,
+) -> None:
+    """``tandem serve --quantization int8 --speculative ngram``: each worker of the topology
+    reports the int8 numerics class in ``/v1/cluster``; a greedy completion over a repeating
+    prompt is drafted for, and the drafts show in ``/v1/cluster`` and ``/metrics``."""
     import urllib.request
 
-    with serving("--model", str(test_llama), "--quantization", "int8") as (port, _):
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/cluster", timeout=60) as reply:
+    args = ("--model", str(test_llama), "--quantization", "int8", "--speculative", "ngram")
+    with serving(*args) as (port, _):
+        base = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{base}/v1/cluster", timeout=60) as reply:
             workers = json.loads(reply.read())["workers"]
         assert workers and {w["numerics"].split("/")[1] for w in workers} == {"int8"}
-        assert completion_tokens(port, test_llama.name, 4) == 4
+        prompt = "one two three four " * 6
+        assert completion_tokens(port, test_llama.name, 48, prompt=prompt, temperature=0) == 48
+        drafted = 0
+        for _ in range(50):  # the workers report after the request ends
+            with urllib.request.urlopen(f"{base}/v1/cluster", timeout=60) as reply:
+                workers = json.loads(reply.read())["workers"]
+            drafted = sum(w["speculation"]["draft_tokens"] for w in workers)
+            if drafted:
+                break
+            time.sleep(0.2)
+        assert drafted > 0
+        with urllib.request.urlopen(f"{base}/metrics", timeout=60) as reply:
+            metrics = reply.read().decode()
+        assert f"tandem_spec_decode_num_draft_tokens_total {float(drafted)}" in metrics
 
 
 @pytest.mark.e2e

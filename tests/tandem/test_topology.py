@@ -11,9 +11,10 @@ import ray
 import yaml
 from hypothesis import given
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from contracts.roles import Role, Transport
-from engine.config import EngineConfig
+from engine.config import EngineConfig, SpeculativeConfig
 from tandem.launch import workers_have_cuda
 from tandem.sizing import sizes_itself
 from tandem.topology import Topology, TopologyError, WorkerSpec, load_topology
@@ -129,16 +130,21 @@ def test_a_model_override_serves_that_checkpoint_under_its_dir_name() -> None:
     assert spec.model.name == "demo-small-llama"  # the original is untouched (frozen)
 
 
-def test_a_quantization_override_reaches_every_pools_engines() -> None:
-    """``tandem serve --quantization int8``: every declared pool's engines, nothing else."""
+def test_engine_overrides_reach_every_pools_engines() -> None:
+    """``tandem serve --quantization int8 --speculative ngram``: every declared pool's engines
+    take the settings, nothing else changes; a bad setting is refused as in a file."""
     spec = Topology.from_yaml_text(f"model: {{demo_size: small}}\n{PAIR}")
-    moved = spec.with_quantization("int8")
+    moved = spec.with_engine({"quantization": "int8", "speculative": {"method": "ngram"}})
     pools = moved.pools.by_role()
     assert pools and all(p.engine.quantization == "int8" for p in pools.values())
+    assert all(p.engine.speculative == SpeculativeConfig() for p in pools.values())
     assert moved.pools.colocated is spec.pools.colocated is None
-    same = {r: p.engine.model_copy(update={"quantization": "none"}) for r, p in pools.items()}
+    undo = {"quantization": "none", "speculative": None}
+    same = {r: p.engine.model_copy(update=undo) for r, p in pools.items()}
     assert same == {r: p.engine for r, p in spec.pools.by_role().items()}
     assert all(p.engine.quantization == "none" for p in spec.pools.by_role().values())
+    with pytest.raises(ValidationError, match="min_n"):
+        spec.with_engine({"speculative": {"min_n": 5, "max_n": 2}})
 
 
 @pytest.mark.parametrize(
