@@ -98,15 +98,19 @@ def prompts(e: LLMEngine, task: str, count: int) -> list[list[int]]:
 
 def run(
     e: LLMEngine, batch: list[list[int]], concurrency: int, task: str
-) -> tuple[float, list[list[int]]]:
-    """Output tokens/s of ``batch``, ``concurrency`` requests at a time; and the token ids."""
+) -> tuple[float, float, list[list[int]]]:
+    """Output tokens/s of ``batch``, ``concurrency`` requests at a time (prefills included);
+    the requests' median time per output token after the first (decoding alone); the ids."""
     greedy = task != "random"
     params = SamplingParams(temperature=0.0 if greedy else 1.0, seed=7, max_tokens=256)
     tokens: list[list[int]] = []
+    tpots: list[float] = []
     t0 = time.perf_counter()
     for i in range(0, len(batch), concurrency):
-        tokens += [o[0].token_ids for o in e.generate(batch[i : i + concurrency], params)]
-    return sum(map(len, tokens)) / (time.perf_counter() - t0), tokens
+        outs = [o for [o] in e.generate(batch[i : i + concurrency], params)]
+        tokens += [o.token_ids for o in outs]
+        tpots += [o.timing["tpot_s"] for o in outs if o.timing["tpot_s"] is not None]
+    return sum(map(len, tokens)) / (time.perf_counter() - t0), statistics.median(tpots), tokens
 
 
 def main() -> int:
@@ -119,21 +123,24 @@ def main() -> int:
     a = ap.parse_args()
     model = ensure_smollm2()
     runs: dict[str, dict[str, list[float]]] = {}
+    tpot_ms: dict[str, dict[str, list[float]]] = {}
     acceptance: dict[str, dict[str, float]] = {}
     for task in TASKS:
         for batch in BATCHES:
             cell = f"{task}/b{batch}"
             runs[cell] = {side: [] for side in SIDES}
+            tpot_ms[cell] = {side: [] for side in SIDES}
             reference: list[list[int]] | None = None
             for r in range(a.rounds):
                 order = SIDES + SIDES[::-1] if r % 2 == 0 else SIDES[::-1] + SIDES
                 for side in order:
                     e = engine(model, side, a)
-                    tok_s, tokens = run(e, prompts(e, task, a.requests), batch, task)
+                    tok_s, tpot, tokens = run(e, prompts(e, task, a.requests), batch, task)
                     if reference is None:
                         reference = tokens
                     assert tokens == reference, f"{cell} {side}: not the same tokens"
                     runs[cell][side].append(tok_s)
+                    tpot_ms[cell][side].append(tpot * 1e3)
                     if side == "on":
                         s = e.speculation
                         acceptance[cell] = {
@@ -142,33 +149,41 @@ def main() -> int:
                             "acceptance_rate": s.acceptance_rate,
                             "mean_acceptance_length": s.mean_acceptance_length,
                         }
-                    log(f"{cell} round {r} {side}: {tok_s:.1f} tok/s")
+                    log(f"{cell} round {r} {side}: {tok_s:.1f} tok/s, TPOT {tpot * 1e3:.1f} ms")
     result: dict[str, Any] = {"cpu": cpu_name(), "k": a.k, "min_n": a.min_n, "max_n": a.max_n}
-    result |= {"requests": a.requests, "runs": runs}
-    result["acceptance"] = acceptance
-    print(
-        f"CPU: {result['cpu']}; SmolLM2-135M bf16; k={a.k}, n={a.min_n}..{a.max_n}; "
-        f"{a.requests} requests per cell"
-    )
-    print(
-        f"{'task':<16}{'off tok/s':>10}{'on tok/s':>10}{'on/off':>8}{'accept':>8}{'mean len':>9}  runs"
-    )
-    for cell, sides in runs.items():
-        off, on = statistics.median(sides["off"]), statistics.median(sides["on"])
-        acc = acceptance[cell]
-        result.setdefault("ratio", {})[cell] = on / off
-        print(
-            f"{cell:<16}{off:>10.1f}{on:>10.1f}{on / off:>7.2f}x{acc['acceptance_rate']:>8.0%}"
-            f"{acc['mean_acceptance_length']:>9.2f}  off "
-            + " ".join(f"{v:.0f}" for v in sides["off"])
-            + " / on "
-            + " ".join(f"{v:.0f}" for v in sides["on"])
-        )
+    result |= {"requests": a.requests, "runs": runs, "tpot_ms": tpot_ms, "acceptance": acceptance}
+    report(result)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "spec_bench.json").write_text(json.dumps(result, indent=2))
     plot(result, RESULTS / "spec_bench.png")
     log(f"wrote {RESULTS / 'spec_bench.json'} and .png")
     return 0
+
+
+def report(result: dict[str, Any]) -> None:
+    """The table: per cell, the medians, on / off (throughput; TPOT: the decode alone), the
+    acceptance, and every run."""
+    print(
+        f"CPU: {result['cpu']}; SmolLM2-135M bf16; k={result['k']}, "
+        f"n={result['min_n']}..{result['max_n']}; {result['requests']} requests per cell"
+    )
+    print(
+        f"{'cell':<14}{'tok/s off':>10}{'on':>7}{'on/off':>8}{'TPOT off':>10}{'on':>7}"
+        f"{'off/on':>8}{'accept':>8}{'mean len':>9}  tok/s runs (off / on)"
+    )
+    for cell, sides in result["runs"].items():
+        off, on = (statistics.median(sides[s]) for s in SIDES)
+        t_off, t_on = (statistics.median(result["tpot_ms"][cell][s]) for s in SIDES)
+        acc = result["acceptance"][cell]
+        result.setdefault("ratio", {})[cell] = on / off
+        result.setdefault("decode_ratio", {})[cell] = t_off / t_on
+        print(
+            f"{cell:<14}{off:>10.1f}{on:>7.1f}{on / off:>7.2f}x{t_off:>8.1f}ms{t_on:>5.1f}ms"
+            f"{t_off / t_on:>7.2f}x{acc['acceptance_rate']:>8.0%}{acc['mean_acceptance_length']:>9.2f}  "
+            + " ".join(f"{v:.0f}" for v in sides["off"])
+            + " / "
+            + " ".join(f"{v:.0f}" for v in sides["on"])
+        )
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

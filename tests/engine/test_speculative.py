@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import CompletionOutput, LLMEngine
-from engine.request import Request, SpecStats
+from engine.request import Request, SpecStats, fork_id
 from engine.sampling_params import SamplingParams
 from engine.speculative import NgramIndex, drafts_worth
 
@@ -53,6 +53,7 @@ PARAMS = {
         temperature=1.0, seed=8, stop=("e",), stop_token_ids=(1, 2, 3), max_tokens=40
     ),
     "short": SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+    "two": SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=30, ignore_eos=True, logprobs=1),
 }
 
 
@@ -75,7 +76,11 @@ def run(
         engine.add_request(engine.make_request(prompt, params, request_id=rid))
     while engine.has_unfinished():
         engine.step()
-    return {o.request_id: o for o in engine.finished_outputs()}
+    # Keyed as the engine keys each sample (n > 1: the parent is sample 0, then <id>#<index>).
+    return {
+        fork_id(o.request_id, o.index) if o.index else o.request_id: o
+        for o in engine.finished_outputs()
+    }
 
 
 def oracle(
@@ -287,3 +292,42 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting(bf16_llama: Path) ->
     assert engine._draft(req, 8) == []
     req.speculation = SpecStats(num_steps=5, num_drafted=10, num_accepted=10)
     assert len(engine._draft(req, 8)) == 4  # 11/12: all of k
+
+
+def test_a_request_paused_mid_step_takes_no_draft_and_resumes_to_the_same_bits(
+    bf16_llama: Path,
+) -> None:
+    """The client falls behind while a verification is in flight (the drafter pauses it): the
+    step commits the one token a plain step would, no draft, and once resumed the request ends
+    as the reference did."""
+    params = PARAMS["greedy"]
+    prompt = [(31 * i + 3) % VOCAB for i in range(20)]
+    [[reference]] = engine_for(bf16_llama, None).generate([prompt], params)
+    engine = engine_for(bf16_llama, SPEC)
+    truth = oracle({"paused": reference}, random.Random(5), 0.0)
+    paused: list[int] = []
+
+    def pause_once(req: Request, most: int) -> list[int]:
+        if len(req.output_token_ids) >= 4 and not paused:
+            paused.append(len(req.output_token_ids))
+            engine.scheduler.set_backpressured(req.request_id, True)
+        return truth(req, most)
+
+    engine.scheduler.drafter = pause_once
+    engine.add_request(engine.make_request(prompt, params, request_id="paused"))
+    for _ in range(10):
+        engine.step()
+        if paused:
+            break
+    req = engine.scheduler.get_request("paused")
+    assert paused and req is not None
+    assert len(req.output_token_ids) == paused[0] + 1  # one token, no draft
+    assert req.num_computed_tokens == req.num_tokens - 1
+    engine.step()
+    assert len(req.output_token_ids) == paused[0] + 1  # paused: not scheduled
+    engine.scheduler.set_backpressured("paused", False)
+    while engine.has_unfinished():
+        engine.step()
+    [out] = engine.finished_outputs()
+    assert key(out) == key(reference)
+    engine.kv.check_idle()
