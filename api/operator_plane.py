@@ -103,9 +103,7 @@ class OperatorPlane:
             failures.leases_expired = sum(s.report.leases_expired for s in states)
             failures.imports_parked = sum(s.report.imports_parked for s in states)
             failures.reservations_waited = sum(s.report.reservations_waited for s in states)
-            self.metrics.speculation.totals = [
-                (s.report.spec_steps, s.report.spec_drafted, s.report.spec_accepted) for s in states
-            ]
+            self.metrics.speculation.totals = [s.report.speculation for s in states]
             for s in states:
                 if s.healthy:
                     r = s.report
@@ -184,9 +182,7 @@ def worker_view(s: WorkerState) -> dict[str, Any]:
         "numerics": s.info.numerics,  # its numerics class: requests never cross one
         "cpu_capability": s.info.cpu_capability,
         # Its speculative decoding since it started (docs/design.md#speculative-decoding).
-        "speculation": {
-            "drafts": s.report.spec_steps,
-            "draft_tokens": s.report.spec_drafted,
-            "accepted_tokens": s.report.spec_accepted,
-        },
+        "speculation": dict(
+            zip(("drafts", "draft_tokens", "accepted_tokens"), s.report.speculation, strict=True)
+        ),
     }

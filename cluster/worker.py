@@ -239,8 +239,7 @@ class EngineWorker:
         two steps). ``resync``: a router that missed reports (its restart, ours) rebuilds this
         worker's index exactly from it (docs/design.md#router-view)."""
         engine = await self.engine.kv.load(resync)
-        stats = self.engine.kv_stats()
-        spec = self.engine.speculation()
+        stats, spec = self.engine.kv_stats(), self.engine.speculation()
         load = WorkerLoad(
             name=self.name,
             incarnation=self.incarnation,
@@ -252,9 +251,7 @@ class EngineWorker:
             leases_expired=self.leases_expired(),
             imports_parked=self.engine.imports_parked,
             reservations_waited=self.engine.reservations_waited,
-            spec_steps=spec.num_steps,
-            spec_drafted=spec.num_drafted,
-            spec_accepted=spec.num_accepted,
+            speculation=(spec.num_steps, spec.num_drafted, spec.num_accepted),
             admitted=tuple(engine.admitted),
         )
         return load, engine.kv_events

@@ -75,9 +75,7 @@ class WorkerLoad:
     reservations_waited: int = 0
     # Speculative decoding on this process, ever (docs/design.md#speculative-decoding):
     # verifications with drafts, draft tokens verified, draft tokens accepted.
-    spec_steps: int = 0
-    spec_drafted: int = 0
-    spec_accepted: int = 0
+    speculation: tuple[int, int, int] = (0, 0, 0)
     # Attempt ids its engine admitted since the last report: the router's ledger stops
     # counting them as promised-but-unseen (they are in queue_depth/num_running/claimed now).
     admitted: tuple[str, ...] = ()

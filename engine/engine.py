@@ -36,7 +36,7 @@ from engine.request import (
 from engine.sampler import Sampler, SamplingState, token_logprobs
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.speculative import NgramIndex, drafts_worth
+from engine.speculative import DraftRows, NgramIndex, Speculator, draft_rows
 from engine.structured import Grammars
 from engine.tokenizer import Tokenizer
 
@@ -111,7 +111,8 @@ class LLMEngine:
         self._finished: list[CompletionOutput] = []
         self._ids = itertools.count()
         self.speculation = SpecStats()  # every request's drafts, summed
-        if config.speculative is not None:
+        self.speculator = None if config.speculative is None else Speculator(config.speculative)
+        if self.speculator is not None:
             self.scheduler.drafter = self._draft
 
     @classmethod
@@ -318,7 +319,7 @@ class LLMEngine:
         outputs: list[TokenDelta] = []
         if out.chunks:
             logits = self._take_prompt_logprobs(out.chunks, self.runner.execute(out))
-            logits, drafts = _draft_rows(out.chunks, logits)
+            logits, drafts = draft_rows(out.chunks, logits)
             sampled = self._sample(out.sampled_ids, logits)
             emitted = [self._emit(r) for r in self.scheduler.update_from_output(out, sampled)]
             if drafts:
@@ -393,47 +394,26 @@ class LLMEngine:
     # -- speculation (docs/design.md#speculative-decoding) ---------------------------------------
 
     def _draft(self, req: Request, most: int) -> list[int]:
-        """The scheduler's draft source: n-gram drafts from the request's own context, cut
-        where its grammar (structured outputs) would reject one."""
-        spec = self.config.speculative
-        assert spec is not None  # the scheduler asks only when speculation is on
-        most = min(most, drafts_worth(req.speculation, spec.k, spec.threshold))
-        if most < 1:
-            return []
+        """The scheduler's draft source."""
+        assert self.speculator is not None  # the scheduler asks only when speculation is on
         seq = self._seqs[req.request_id]
-        if seq.ngrams is None:
-            seq.ngrams = NgramIndex(spec.min_n, spec.max_n)
-        seq.ngrams.sync(req.prompt_token_ids, req.output_token_ids)
-        drafts = seq.ngrams.propose(most)
-        grammar = seq.sampling.grammar
-        if drafts and grammar is not None:
-            grammar.sync(req.output_token_ids)
-            drafts = drafts[: grammar.matcher.validate_tokens(drafts)]
-        return drafts
+        seq.ngrams = seq.ngrams or self.speculator.index()
+        return self.speculator.draft(req, seq.ngrams, seq.sampling.grammar, most)
 
-    def _verify(self, verify: dict[str, tuple[list[int], Tensor]]) -> list[TokenDelta]:
-        """Accept drafts position by position, exactly as plain decoding would have gone: while
-        a request's last token is the draft at that place (its KV, computed by the step, is
-        then the token's own), sample the draft's row with the request's state as it now stands
-        -- the same state, position-keyed draw and logits (deterministic numerics) as the
-        decode step that would have computed it -- and commit that token with every stop
-        check. The first token that differs from its draft ends the request's verification."""
+    def _verify(self, rows: DraftRows) -> list[TokenDelta]:
+        """Verify the step's drafts (commit through the scheduler, each token emitted), count
+        them, and give back the KV of the rejected ones."""
+        assert self.speculator is not None
         outputs: list[TokenDelta] = []
-        accepted = dict.fromkeys(verify, 0)
-        for j in range(max(len(drafts) for drafts, _ in verify.values())):
-            live = [
-                rid
-                for rid, (drafts, _) in verify.items()
-                if accepted[rid] == j and j < len(drafts) and self._takes(rid, drafts[j])
-            ]
-            if not live:
-                break
-            rows = torch.stack([verify[rid][1][j] for rid in live])
-            for rid, token in self._sample(live, rows).items():
-                if self.scheduler.accept_draft(rid, token):
-                    accepted[rid] += 1
-                    outputs.append(self._emit(self._seqs[rid].request))
-        for rid, (drafts, _) in verify.items():
+
+        def commit(rid: str, token: int) -> bool:
+            if not self.scheduler.accept_draft(rid, token):
+                return False
+            outputs.append(self._emit(self._seqs[rid].request))
+            return True
+
+        accepted = self.speculator.verify(rows, self._takes, self._sample, commit)
+        for rid, (drafts, _) in rows.items():
             self._seqs[rid].request.speculation.add(len(drafts), accepted[rid])
             self.speculation.add(len(drafts), accepted[rid])
             self.scheduler.end_verification(rid)
@@ -536,25 +516,6 @@ class LLMEngine:
             for o in self.step():
                 if o.request_id == rid:
                     yield o
-
-
-def _draft_rows(
-    chunks: list[ScheduledChunk], logits: Tensor
-) -> tuple[Tensor, dict[str, tuple[list[int], Tensor]]]:
-    """Split the sampling rows: each chunk's own row (what ``sampled_ids`` samples), and per
-    chunk with drafts, its drafts and their rows (what verification samples)."""
-    if not any(c.num_drafts for c in chunks):
-        return logits, {}
-    first: list[int] = []
-    verify: dict[str, tuple[list[int], Tensor]] = {}
-    row = 0
-    for c in chunks:
-        if c.sample:
-            first.append(row)
-            if c.num_drafts:
-                verify[c.request_id] = (c.drafts, logits[row + 1 : row + 1 + c.num_drafts])
-            row += 1 + c.num_drafts
-    return logits[torch.tensor(first, device=logits.device)], verify
 
 
 def _merged(deltas: list[TokenDelta]) -> list[TokenDelta]:

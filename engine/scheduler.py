@@ -207,10 +207,14 @@ class Scheduler:
             if not req.is_finished and req.status not in (S.BACKPRESSURED, S.WAITING_FOR_KV):
                 n = self._chunk_size(req, len(plan), num_tokens)
                 if n:
-                    n += self._draft(req, n, num_tokens)
                     plan[req.request_id] = n
                     planned.append(req)
                     num_tokens += n
+        # Drafts only from the budget the real tokens left: a guess never delays a token.
+        for req in planned:
+            drafted = self._draft(req, plan[req.request_id], num_tokens)
+            plan[req.request_id] += drafted
+            num_tokens += drafted
         # Allocate the most important first. A victim is then never a request that already
         # got blocks this step: those blocks may be hashed for the prefix cache already, and
         # dropping the chunk would leave cached blocks whose KV is never computed.
@@ -241,10 +245,10 @@ class Scheduler:
         return bool(preempted)
 
     def _draft(self, req: Request, n: int, num_tokens: int) -> int:
-        """Propose drafts for a decoding request's step of ``n`` (its one new token); returns
-        how many it got. Bounded by the token budget and so that the verification never writes
-        KV at a position a plain decode would not reach (the last token below ``max_tokens``
-        and the context limit is never computed)."""
+        """Propose drafts for a decoding request's step of ``n`` (its one new token), the step
+        holding ``num_tokens`` so far; returns how many it got. Bounded by the budget left and
+        so that the verification never writes KV at a position a plain decode would not reach
+        (the last token below ``max_tokens`` and the context limit is never computed)."""
         if (
             self.drafter is None
             or self.config.speculative is None
@@ -256,7 +260,7 @@ class Scheduler:
         most = min(
             req.sampling_params.max_tokens - len(req.output_token_ids) - 1,
             self.max_model_len - req.num_tokens - 1,
-            self.config.max_num_batched_tokens - num_tokens - n,
+            self.config.max_num_batched_tokens - num_tokens,
         )
         drafts = self.drafter(req, most) if most > 0 else []
         if drafts:

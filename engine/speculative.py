@@ -11,9 +11,18 @@ equal what it drew (engine/engine.py), so a wrong guess costs compute, never a d
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from engine.request import SpecStats
+import torch
+from torch import Tensor
+
+from engine.batch import ScheduledChunk
+from engine.config import SpeculativeConfig
+from engine.request import Request, SpecStats
+from engine.structured import GrammarState
+
+# A step's drafts to verify: request id -> its drafts and their logits rows, in order.
+DraftRows = dict[str, tuple[list[int], Tensor]]
 
 
 class NgramIndex:
@@ -55,3 +64,74 @@ def drafts_worth(stats: SpecStats, k: int, threshold: float) -> int:
     while d < k and rate ** (d + 1) >= threshold:
         d += 1
     return d
+
+
+class Speculator:
+    """One engine's speculation: the drafts the scheduler asks for, and the verification of a
+    step's drafts. The engine owns the sequences; this holds the rules."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+
+    def index(self) -> NgramIndex:
+        return NgramIndex(self.config.min_n, self.config.max_n)
+
+    def draft(
+        self, req: Request, index: NgramIndex, grammar: GrammarState | None, most: int
+    ) -> list[int]:
+        """At most ``most`` n-gram drafts from the request's own context (``index``), as many
+        as its acceptance so far makes worth it, cut where its grammar would reject one."""
+        most = min(most, drafts_worth(req.speculation, self.config.k, self.config.threshold))
+        if most < 1:
+            return []
+        index.sync(req.prompt_token_ids, req.output_token_ids)
+        drafts = index.propose(most)
+        if drafts and grammar is not None:
+            grammar.sync(req.output_token_ids)
+            drafts = drafts[: grammar.matcher.validate_tokens(drafts)]
+        return drafts
+
+    @staticmethod
+    def verify(
+        rows: DraftRows,
+        takes: Callable[[str, int], bool],
+        sample: Callable[[list[str], Tensor], dict[str, int]],
+        commit: Callable[[str, int], bool],
+    ) -> dict[str, int]:
+        """Accept drafts position by position, exactly as plain decoding would have gone: while
+        a request ``takes`` the draft at that place (it decodes on and its last token is the
+        draft, so the draft's KV, computed by the step, is that token's own), ``sample`` the
+        draft's row with the request's state as it now stands -- the same state, position-keyed
+        draw and logits (deterministic numerics) as the decode step that would have computed
+        it -- and ``commit`` the token (every stop check). The first token that differs from
+        its draft ends the request's verification. Returns the drafts accepted per request."""
+        accepted = dict.fromkeys(rows, 0)
+        for j in range(max(len(drafts) for drafts, _ in rows.values())):
+            ready = [
+                rid
+                for rid, (drafts, _) in rows.items()
+                if accepted[rid] == j and j < len(drafts) and takes(rid, drafts[j])
+            ]
+            if not ready:
+                break
+            stacked = torch.stack([rows[rid][1][j] for rid in ready])
+            for rid, token in sample(ready, stacked).items():
+                accepted[rid] += commit(rid, token)
+        return accepted
+
+
+def draft_rows(chunks: list[ScheduledChunk], logits: Tensor) -> tuple[Tensor, DraftRows]:
+    """Split a step's sampling rows: each chunk's own row (what ``sampled_ids`` samples), and per
+    chunk with drafts, its drafts and their rows (what verification samples)."""
+    if not any(c.num_drafts for c in chunks):
+        return logits, {}
+    first: list[int] = []
+    rows: DraftRows = {}
+    row = 0
+    for c in chunks:
+        if c.sample:
+            first.append(row)
+            if c.num_drafts:
+                rows[c.request_id] = (c.drafts, logits[row + 1 : row + 1 + c.num_drafts])
+            row += 1 + c.num_drafts
+    return logits[torch.tensor(first, device=logits.device)], rows

@@ -12,6 +12,7 @@ import pytest
 from cluster.coordinator import Coordinator
 from cluster.retry import RetryPolicy
 from engine.async_engine import AsyncLLMEngine
+from engine.config import SpeculativeConfig
 from engine.request import RECORDS_KEPT, RecordLog
 from prefill_worker.worker import PrefillWorker
 from tandem.topology import Topology
@@ -31,6 +32,14 @@ def default(function: object, name: str) -> object:
     ("sentence", "value", "stated"),
     [
         ("keep the latest 10 000 records in memory", RECORDS_KEPT, 10_000),
+        *(
+            ("defaults `k` 8, `min_n` 2, `max_n` 4, `threshold` 0.2, `max_batch` 8", got, want)
+            for got, want in zip(
+                SpeculativeConfig().model_dump(exclude={"method"}).values(),
+                (8, 2, 4, 0.2, 8),
+                strict=True,
+            )
+        ),
         ("keep the latest 10 000 records in memory", RecordLog()._items.maxlen, 10_000),
         ("keep the latest 10 000 records in memory", coordinator().records._items.maxlen, 10_000),
         ("`lease_timeout_s`, default 30 s", Topology.model_fields["lease_timeout_s"].default, 30),

@@ -12,7 +12,8 @@ LIMITS = {"file": 600, "function": 80, "class": 400}
 # The exceptions design.md#size-exceptions lists, with the size each may reach.
 CEILINGS = {
     "engine/async_engine.py::AsyncLLMEngine": 470,
-    "engine/scheduler.py::Scheduler": 480,
+    "engine/scheduler.py::Scheduler": 545,
+    "engine/engine.py::LLMEngine": 450,
     "chaos/run.py": 670,
     "chaos/run.py::ChaosRun": 515,
     "chaos/run.py::_summary": 100,

@@ -451,9 +451,7 @@ def test_worker_view_names_the_state_and_every_field() -> None:
         cached_blocks=7,
         numerics="bfloat16/invariant/columns",
         cpu_capability="AVX2",
-        spec_steps=3,
-        spec_drafted=12,
-        spec_accepted=7,
+        speculation=(3, 12, 7),
     )
     assert worker_view(s) == {
         "name": "decode-1",
