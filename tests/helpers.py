@@ -267,3 +267,31 @@ def moves(url: str) -> float:
     """Attempts the ingress at ``url`` retried or migrated, so far (its Prometheus counters)."""
     names = ("tandem_retries_total", "tandem_migrations_total")
     return sum(sum(metric(url, name)) for name in names)
+
+
+# -- logprobs as the completions API lists them -------------------------------------------------
+
+Listed = list[tuple[str, float, dict[str, float]]]
+
+
+def completion_logprobs(client: Any, model: str, prompt: list[int], **params: Any) -> Listed:
+    """One completion (ignore_eos, token ids named ``token_id:N``) through the official client:
+    per token its name, logprob and top logprobs, as the API lists them."""
+    out = client.completions.create(
+        model=model,
+        prompt=prompt,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+        **params,
+    )
+    lp = out.choices[0].logprobs
+    return list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True))
+
+
+def engine_logprobs(engine: LLMEngine, prompt: list[int], **params: Any) -> Listed:
+    """What :func:`completion_logprobs` lists for the same request run by ``engine``: the top
+    entries plus the sampled token (as vLLM's completions list them)."""
+    [[want]] = engine.generate([prompt], SamplingParams(ignore_eos=True, **params))
+    return [
+        (f"token_id:{t}", e.logprob, {f"token_id:{i}": v for i, v in [*e.top, (t, e.logprob)]})
+        for t, e in zip(want.token_ids, want.logprobs or [], strict=True)
+    ]

@@ -17,14 +17,13 @@ import openai
 import pytest
 import ray
 import torch
-from helpers import clear_faults
+from helpers import clear_faults, completion_logprobs, engine_logprobs
 
 from chaos import probe
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from contracts.roles import NAMESPACE
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-llama"
@@ -59,17 +58,6 @@ def actor(name: str) -> Any:
     return ray.get_actor(name, namespace=NAMESPACE)
 
 
-def completion(client: openai.OpenAI) -> list[tuple[str, float, dict[str, float]]]:
-    out = client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-        **SAMPLED,
-    )
-    lp = out.choices[0].logprobs
-    return list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True))
-
-
 def test_a_stream_crossing_cpu_families_keeps_one_engines_bits(
     client: openai.OpenAI, bf16_llama: Path
 ) -> None:
@@ -81,12 +69,8 @@ def test_a_stream_crossing_cpu_families_keeps_one_engines_bits(
 
     config = EngineConfig(dtype="bfloat16", **ENGINE)
     engine = LLMEngine.from_checkpoint(bf16_llama, config, model_id=MODEL)
-    [[want]] = engine.generate([PROMPT], SamplingParams(ignore_eos=True, **SAMPLED))
-    crossed = completion(client)  # prefill under AVX2, decode under the machine's best
-    assert crossed == [  # the top 2, and the sampled token (as vLLM's completions list it)
-        (f"token_id:{t}", e.logprob, {f"token_id:{i}": v for i, v in [*e.top, (t, e.logprob)]})
-        for t, e in zip(want.token_ids, want.logprobs or [], strict=True)
-    ]
+    crossed = completion_logprobs(client, MODEL, PROMPT, **SAMPLED)  # prefill under AVX2
+    assert crossed == engine_logprobs(engine, PROMPT, **SAMPLED)  # decode under the best
 
     url = str(client.base_url).removesuffix("/v1/")
     before = sum(probe.metric(url, "tandem_migrations_total"))
@@ -94,7 +78,9 @@ def test_a_stream_crossing_cpu_families_keeps_one_engines_bits(
         fault = Fault(FaultPoint.DECODE_TOKENS, FaultAction.CRASH, at=6, attempt=1)
         ray.get(actor(name).set_faults.remote(FaultPlan([fault])), timeout=60)
     try:
-        moved = completion(client)  # and back: migrated, re-prefilled under AVX2
+        moved = completion_logprobs(
+            client, MODEL, PROMPT, **SAMPLED
+        )  # and back: migrated, re-prefilled under AVX2
     finally:
         clear_faults(WORKERS)
     assert sum(probe.metric(url, "tandem_migrations_total")) == before + 1

@@ -14,14 +14,13 @@ from typing import Any
 import openai
 import pytest
 import ray
-from helpers import clear_faults
+from helpers import Listed, clear_faults, completion_logprobs, engine_logprobs
 
 from chaos import probe
 from contracts.faults import Fault, FaultAction, FaultPlan, FaultPoint
 from contracts.roles import NAMESPACE
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
-from engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.e2e
 MODEL = "test-llama"
@@ -58,25 +57,10 @@ def client(
     return openai.OpenAI(base_url=f"{serve_app(topology)}/v1", api_key="-", max_retries=0)
 
 
-def completion(client: openai.OpenAI, kind: str) -> list[tuple[str, float, dict[str, float]]]:
-    out = client.completions.create(
-        model=MODEL,
-        prompt=PROMPT,
-        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
-        **KINDS[kind],
-    )
-    lp = out.choices[0].logprobs
-    return list(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True))
-
-
-def reference(path: Path, kind: str) -> list[tuple[str, float, dict[str, float]]]:
+def reference(path: Path, kind: str) -> Listed:
     """One plain engine's answer, as the completions API lists it."""
     engine = LLMEngine.from_checkpoint(path, EngineConfig(dtype="bfloat16", **ENGINE))
-    [[want]] = engine.generate([PROMPT], SamplingParams(ignore_eos=True, **KINDS[kind]))
-    return [
-        (f"token_id:{t}", e.logprob, {f"token_id:{i}": v for i, v in [*e.top, (t, e.logprob)]})
-        for t, e in zip(want.token_ids, want.logprobs or [], strict=True)
-    ]
+    return engine_logprobs(engine, PROMPT, **KINDS[kind])
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -86,7 +70,7 @@ def test_a_speculating_cluster_serves_one_plain_engines_bits_through_a_migration
     url = str(client.base_url).removesuffix("/v1/")
     drafted = sum(probe.metric(url, "tandem_spec_decode_num_draft_tokens_total"))
     want = reference(bf16_llama, kind)
-    assert completion(client, kind) == want
+    assert completion_logprobs(client, MODEL, PROMPT, **KINDS[kind]) == want
     deadline = time.time() + 10  # the decode worker reports once the request ended
     while sum(probe.metric(url, "tandem_spec_decode_num_draft_tokens_total")) <= drafted:
         assert time.time() < deadline, "no drafts counted"
@@ -100,7 +84,7 @@ def test_a_speculating_cluster_serves_one_plain_engines_bits_through_a_migration
             timeout=60,
         )
     try:
-        moved = completion(client, kind)
+        moved = completion_logprobs(client, MODEL, PROMPT, **KINDS[kind])
     finally:
         clear_faults(WORKERS)
     assert sum(probe.metric(url, "tandem_migrations_total")) == before + 1
