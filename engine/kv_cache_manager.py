@@ -394,7 +394,7 @@ class KVCacheManager:
         seq.num_slots = request.num_computed_tokens
         keep = self.blocks_for(request.num_tokens)
         if len(seq.blocks) > keep:
-            self.pool.decref(seq.blocks[keep:][::-1])
+            self.pool.decref(seq.blocks[keep:])
             del seq.blocks[keep:]
 
     def can_swap_out(self, request_id: str) -> bool:

@@ -16,6 +16,7 @@ from engine.request import (
     RecordLog,
     Request,
     RequestStatus,
+    SpecStats,
 )
 from engine.sampling_params import SamplingParams
 
@@ -196,3 +197,13 @@ def test_only_the_scheduler_and_its_admission_change_a_state() -> None:
     # Request.transition's own write; the others are other records' statuses (HTTP errors, the
     # gate's refusals, a chaos client's outcomes), not a request's state.
     assert writes == {"engine/request.py", "api/errors.py", "api/gate.py", "chaos/load.py"}
+
+
+def test_spec_stats_add_up_and_give_seed_7s_rates() -> None:
+    stats = SpecStats()
+    assert (stats.acceptance_rate, stats.mean_acceptance_length) == (0.0, 1.0)  # nothing yet
+    stats.add(4, 3)
+    stats.add(2, 0)
+    assert (stats.num_steps, stats.num_drafted, stats.num_accepted) == (2, 6, 3)
+    assert stats.acceptance_rate == 0.5  # 3 of 6 drafts
+    assert stats.mean_acceptance_length == 2.5  # 1 + 3 accepted / 2 verifications

@@ -141,3 +141,46 @@ def test_a_draft_is_refused_once_the_request_stops_or_its_client_is_behind() -> 
     h.sched.set_backpressured("b", False)
     h.sched.abort("b")
     h.assert_drained()
+
+
+def test_no_draft_for_a_prefill_chunk_of_one_token_and_none_without_both_parts() -> None:
+    h, drafter = harness([50, 51], max_num_batched_tokens=4)
+    h.add("a", 5, max_tokens=10)
+    decode_once(h)  # 4 of the 5 prompt tokens
+    out = decode_once(h)  # the last prompt token alone: a step of one token, but a prefill
+    assert drafter.asked == [] and out.chunks[0].num_drafts == 0
+    decode_once(h)
+    assert drafter.asked == [("a", 3)]  # decoding now; the budget of 4 leaves 3
+    no_drafter = Harness(speculative=SpeculativeConfig())  # speculation on, no draft source
+    no_drafter.add("a", 4, max_tokens=10)
+    for _ in range(3):
+        assert all(c.num_drafts == 0 for c in decode_once(no_drafter).chunks)
+    off = Harness()  # a draft source, speculation off
+    off.sched.drafter = drafter
+    off.add("a", 4, max_tokens=10)
+    for _ in range(3):
+        decode_once(off)
+    assert drafter.asked == [("a", 3)]
+
+
+def test_drafts_up_to_max_batch_and_down_to_one() -> None:
+    h, drafter = harness([50, 51], max_batch=2)
+    h.add("a", 4, max_tokens=3)
+    h.add("b", 4, max_tokens=10)
+    decode_once(h)
+    h.sched.schedule()
+    assert drafter.asked == [("a", 1), ("b", 8)]  # a: its 3rd token is its last
+
+
+def test_every_block_past_the_next_token_goes_back_when_every_draft_is_rejected() -> None:
+    h, _ = harness(list(range(100, 110)))
+    h.add("a", 4, max_tokens=16)
+    decode_once(h)
+    out = decode_once(h)  # the last token and 10 drafts over positions 4..14: blocks 0..3
+    assert out.chunks[0].num_drafts == 10
+    assert h.kv.num_held_blocks("a") == h.kv.blocks_for(6) == 2
+    assert h.kv.stats().in_use_blocks == 2
+    h.kv.check()
+    h.sched.end_verification("gone")  # unknown: nothing to do
+    h.sched.abort("a")
+    h.assert_drained()
