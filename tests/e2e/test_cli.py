@@ -19,7 +19,9 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
+from tandem.deployment import DEFAULT_TOPOLOGY
 from tandem.serve import free_port
+from tandem.topology import load_topology
 
 TANDEM = str(Path(sys.executable).with_name("tandem"))
 
@@ -79,19 +81,22 @@ def test_generate_with_int8_weights_gives_the_int8_engines_tokens(bf16_llama: Pa
     assert o["token_ids"] == refs["int8"].token_ids != refs["none"].token_ids
 
 
-def test_generate_with_speculation_gives_the_plain_engines_tokens(bf16_llama: Path) -> None:
-    """``--speculative ngram``: a greedy run over a repeating prompt draws the plain engine's
-    tokens (speculation is exact) and ``--speculative-k`` alone is a clear error."""
-    prompt = "one two three four " * 6
-    args = ("generate", "--model", str(bf16_llama), "--prompt", prompt, "--max-tokens", "32")
-    r = run(*args, "--ignore-eos", "--json", "--temperature", "0", "--speculative", "ngram")
+QUOTE = "Repeat this word for word: the meeting moves to Thursday at ten in room four."
+
+
+def test_generate_with_speculation_gives_the_plain_engines_tokens(smollm2: Path) -> None:
+    """``--speculative ngram``: the real model asked to repeat a sentence (greedy) drafts from
+    it and draws the plain engine's tokens (speculation is exact); ``--speculative-k`` alone is
+    a clear error."""
+    args = ("generate", "--model", str(smollm2), "--prompt", QUOTE, "--chat", "--max-tokens", "32")
+    r = run(*args, "--json", "--temperature", "0", "--speculative", "ngram")
     assert r.returncode == 0, r.stderr
     [o] = json.loads(r.stdout)["outputs"]
-    engine = LLMEngine.from_checkpoint(bf16_llama, EngineConfig(kv_cache_bytes=256 * 2**20))
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    [[ref]] = engine.generate([prompt], params)
+    engine = LLMEngine.from_checkpoint(smollm2, EngineConfig(kv_cache_bytes=256 * 2**20))
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": QUOTE}])
+    [[ref]] = engine.generate([chat], SamplingParams(temperature=0.0, max_tokens=32))
     assert o["token_ids"] == ref.token_ids
-    assert o["speculation"]["draft_tokens"] > 0
+    assert o["speculation"]["accepted_tokens"] > 0
     bad = run(*args, "--speculative-k", "3")
     assert bad.returncode == 2 and "--speculative-k needs --speculative" in bad.stderr
 
@@ -151,12 +156,11 @@ def serving(*args: str) -> Iterator[tuple[int, subprocess.Popen[str]]]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def completion_tokens(port: int, model: str, max_tokens: int, **fields: object) -> int:
-    """One completion from the server on ``port`` (``fields``: more of the body's): the tokens
-    its usage counts."""
+def completion_tokens(port: int, model: str, max_tokens: int) -> int:
+    """One completion from the server on ``port``: the tokens its usage counts."""
     import urllib.request
 
-    body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": max_tokens, **fields}).encode()
+    body = json.dumps({"model": model, "prompt": "Hi", "max_tokens": max_tokens}).encode()
     request = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/completions",
         data=body,
@@ -183,21 +187,35 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
 
 @pytest.mark.e2e
 def test_serve_with_int8_weights_and_speculation_runs_every_worker_on_them(
-    test_llama: Path,
+    smollm2: Path,
 ) -> None:
-    """``tandem serve --quantization int8 --speculative ngram``: each worker of the topology
-    reports the int8 numerics class in ``/v1/cluster``; a greedy completion over a repeating
-    prompt is drafted for, and the drafts show in ``/v1/cluster`` and ``/metrics``."""
+    """``tandem serve --quantization int8 --speculative ngram`` on a topology that does not
+    speculate itself (local-colocated.yaml): each worker reports the int8 numerics class in
+    ``/v1/cluster``; the real model asked to repeat a sentence is drafted for, and the drafts
+    show in ``/v1/cluster`` and ``/metrics``."""
     import urllib.request
 
-    args = ("--model", str(test_llama), "--quantization", "int8", "--speculative", "ngram")
-    with serving(*args) as (port, _):
+    topology = str(DEFAULT_TOPOLOGY.with_name("local-colocated.yaml"))
+    assert load_topology(topology).pools.colocated.engine.speculative is None  # type: ignore[union-attr]
+    args = ("--topology", topology, "--model", str(smollm2), "--quantization", "int8")
+    with serving(*args, "--speculative", "ngram") as (port, _):
         base = f"http://127.0.0.1:{port}"
         with urllib.request.urlopen(f"{base}/v1/cluster", timeout=60) as reply:
             workers = json.loads(reply.read())["workers"]
         assert workers and {w["numerics"].split("/")[1] for w in workers} == {"int8"}
-        prompt = "one two three four " * 6
-        assert completion_tokens(port, test_llama.name, 48, prompt=prompt, temperature=0) == 48
+        body = {
+            "model": smollm2.name,
+            "messages": [{"role": "user", "content": QUOTE}],
+            "max_tokens": 24,
+            "temperature": 0,
+        }
+        request = urllib.request.Request(
+            f"{base}/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            assert json.loads(reply.read())["usage"]["completion_tokens"] > 0
         drafted = 0
         for _ in range(50):  # the workers report after the request ends
             with urllib.request.urlopen(f"{base}/v1/cluster", timeout=60) as reply:
