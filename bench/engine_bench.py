@@ -172,7 +172,7 @@ def roofline_step(engine: LLMEngine, batch: int, ctx: int, rates: dict[str, floa
     weight_bytes = params * (4 if widened else torch.tensor([], dtype=mc.dtype).element_size())
     key = "fp32_flops_per_s" if widened or mc.dtype == torch.float32 else "bf16_flops_per_s"
     rate = rates[key] or rates["fp32_flops_per_s"]  # emulated bf16 (untimed): bandwidth-bound
-    kv_bytes = batch * ctx * mc.kv_bytes_per_token
+    kv_bytes = batch * ctx * mc.kv_bytes_per_token()
     flops = (
         2 * params * batch
         + 4 * batch * ctx * mc.num_hidden_layers * mc.num_attention_heads * mc.head_dim

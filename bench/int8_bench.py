@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.machine import cpu_name
+from bench.machine import abba, cpu_name
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -119,7 +119,7 @@ def speed(model: Path, rounds: int, requests: int) -> dict[str, dict[str, list[f
         q: {"step_1": [], "step_8": [], "step_64": [], "tok_s": []} for q in KINDS
     }
     for r in range(rounds):
-        for q in (KINDS if r % 2 == 0 else KINDS[::-1]) + (KINDS[::-1] if r % 2 == 0 else KINDS):
+        for q in abba(KINDS, r):
             e = engine(model, q)
             for batch in (1, 8, 64):
                 runs[q][f"step_{batch}"].append(decode_step_ms(e, batch))

@@ -4,7 +4,11 @@ BF16 / AMX: the numerics layouts and PyTorch's kernels differ between them)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
+
+T = TypeVar("T")
 
 _FEATURES = (("avx512f", "AVX-512"), ("avx512_bf16", "BF16"), ("amx_tile", "AMX"))
 
@@ -19,3 +23,10 @@ def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
     found = [name for flag, name in _FEATURES if flag in flags]
     return f"{model} ({', '.join(found or ['AVX2' if 'avx2' in flags else 'no AVX2'])})"
+
+
+def abba(sides: Sequence[T], round_index: int) -> list[T]:
+    """The order the sides run in round ``round_index``: A B B A, then B A A B, ... -- a drift
+    of the shared machine over a round weighs on every side alike."""
+    order = list(sides) if round_index % 2 == 0 else list(sides)[::-1]
+    return order + order[::-1]

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.machine import cpu_name
+from bench.machine import abba, cpu_name
 from engine.config import EngineConfig, SpeculativeConfig
 from engine.engine import LLMEngine
 from engine.sampling_params import SamplingParams
@@ -132,8 +132,7 @@ def main() -> int:
             tpot_ms[cell] = {side: [] for side in SIDES}
             reference: list[list[int]] | None = None
             for r in range(a.rounds):
-                order = SIDES + SIDES[::-1] if r % 2 == 0 else SIDES[::-1] + SIDES
-                for side in order:
+                for side in abba(SIDES, r):
                     e = engine(model, side, a)
                     tok_s, tpot, tokens = run(e, prompts(e, task, a.requests), batch, task)
                     if reference is None:

@@ -226,7 +226,7 @@ class AsyncLLMEngine:
     @property
     def numerics(self) -> str:
         """The model's numerics class (which workers may share a request)."""
-        return self.engine.runner.model.numerics
+        return self.engine.runner.numerics
 
     @property
     def config(self) -> EngineConfig:

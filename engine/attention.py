@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine import kernels
+from engine.kv_layout import int8_rows
 
 Tensor = torch.Tensor
 
@@ -56,10 +57,13 @@ class AttentionMetadata:
 
 def write_kv(layer_cache: Tensor, kv: Tensor, slots: Tensor) -> None:
     """Store ``kv`` ``[T, 2 * kv_heads, d]`` (K heads then V heads) at ``slots`` of one layer's
-    ``[2, num_blocks, block_size, kv_heads, d]`` cache, K and V in one indexed copy."""
-    _, _, _, heads, d = layer_cache.shape
-    src = kv.view(-1, 2, heads, d).transpose(0, 1)
-    layer_cache.view(2, -1, heads, d).index_copy_(1, slots, src)
+    ``[2, num_blocks, block_size, kv_heads, row]`` cache, K and V in one indexed copy (an int8
+    cache's rows quantized first, engine/kv_layout.py)."""
+    _, _, _, heads, row = layer_cache.shape
+    if layer_cache.dtype == torch.int8:
+        kv = int8_rows(kv)
+    src = kv.view(-1, 2, heads, row).transpose(0, 1)
+    layer_cache.view(2, -1, heads, row).index_copy_(1, slots, src)
 
 
 def _gather(cache: Tensor, blocks: Tensor) -> Tensor:

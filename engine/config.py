@@ -39,14 +39,12 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
 
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """Ideal KV payload per token (docs/design.md#kv-paging): 2 * layers * kv_heads * head_dim
-        * bytes."""
-        import torch
+    def kv_bytes_per_token(self, kv_cache_dtype: str = "auto") -> int:
+        """KV cache bytes per token (docs/design.md#kv-paging): 2 * layers * kv_heads * the
+        bytes of one head's row (``head_dim`` elements; int8: plus its 4-byte scale)."""
+        from engine.kv_layout import KVLayout
 
-        elem = torch.tensor([], dtype=self.dtype).element_size()
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * elem
+        return KVLayout.for_model(self, 1, kv_cache_dtype).bytes_per_token
 
 
 class ConfigSection(BaseModel):
@@ -169,6 +167,15 @@ class EngineConfig(BaseModel):
         "at run time, products summed in int32: exact, so as batch-, thread- and CPU-invariant "
         "as the default; half the bf16 weight bytes. Needs the compiled int8 kernel; engines "
         "with and without it are different numerics classes (never paired)",
+    )
+    kv_cache_dtype: Literal["auto", "int8"] = Field(
+        "auto",
+        description="'int8': the KV cache holds int8 K and V with one fp32 scale per token and "
+        "head, taken when the token's KV is written (docs/design.md#int8-kv) -- 1.9x the tokens "
+        "of a bf16 cache in the same bytes (head_dim 64), read in place by the attention kernel, "
+        "shipped as is; a token's bytes depend on that token alone, so the deterministic-"
+        "serving guarantees hold. 'auto': the model's dtype. Needs the compiled attention "
+        "kernel; engines with and without it are different numerics classes (never paired)",
     )
     speculative: SpeculativeConfig | None = Field(
         None,

@@ -9,15 +9,27 @@ A block is ``block_size`` consecutive token positions of one sequence (its block
 position // block_size to a block id). One layer of a set of blocks, as a transfer carries it,
 is ``kv_cache[layer][:, block_ids]``: shape ``[2, n_blocks, block_size, kv_heads, head_dim]``.
 Two caches can exchange blocks iff their :class:`KVLayout` is equal.
+
+An int8 cache (``kv_cache_dtype: int8``, docs/design.md#int8-kv) stores each token's head as
+``head_dim`` int8 values followed by the 4 bytes of their fp32 scale, so its last dim is
+``head_dim + 4`` and a block still carries everything needed to read it: block copies, swaps,
+prefix hits and transfers move it as is. The scale is the head's largest magnitude / 127, taken
+when the token's KV is written, so a token's bytes depend on that token alone.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from engine.quantization import quantize_rows
+
+if TYPE_CHECKING:
+    from engine.config import ModelConfig
 
 Tensor = torch.Tensor
 
@@ -26,7 +38,10 @@ DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "float16": torch.float16,
     "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
 }
+# Bytes after each int8 row: its fp32 scale.
+INT8_SCALE_BYTES = 4
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -62,21 +77,44 @@ class KVLayout:
             )
         if kv_cache.dtype not in _DTYPE_NAMES:
             raise ValueError(f"kv_cache dtype {kv_cache.dtype} is not one of {sorted(DTYPES)}")
-        layers, _, _, block_size, heads, head_dim = kv_cache.shape
-        return cls(layers, block_size, heads, head_dim, _DTYPE_NAMES[kv_cache.dtype])
+        layers, _, _, block_size, heads, row = kv_cache.shape
+        dtype = _DTYPE_NAMES[kv_cache.dtype]
+        head_dim = row - INT8_SCALE_BYTES if dtype == "int8" else row
+        return cls(layers, block_size, heads, head_dim, dtype)
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, block_size: int, kv_cache_dtype: str) -> KVLayout:
+        """The layout of ``model``'s cache: its compute dtype, or int8 (``kv_cache_dtype``)."""
+        dtype = "int8" if kv_cache_dtype == "int8" else _DTYPE_NAMES[model.dtype]
+        kv_heads, head_dim = model.num_key_value_heads, model.head_dim
+        return cls(model.num_hidden_layers, block_size, kv_heads, head_dim, dtype)
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
     @property
+    def row_width(self) -> int:
+        """Elements of one token's head: ``head_dim``, plus the scale's bytes when int8."""
+        return self.head_dim + (INT8_SCALE_BYTES if self.dtype == "int8" else 0)
+
+    @property
     def block_nbytes(self) -> int:
         """Bytes of one block's K (or V) in one layer."""
         itemsize = torch.empty(0, dtype=self.torch_dtype).element_size()
-        return self.block_size * self.kv_heads * self.head_dim * itemsize
+        return self.block_size * self.kv_heads * self.row_width * itemsize
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes one token takes, K and V of every layer (what the sizing divides by)."""
+        return 2 * self.num_layers * self.block_nbytes // self.block_size
+
+    def cache_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """The engine cache's shape for ``num_blocks`` blocks."""
+        return (self.num_layers, *self.payload_shape(num_blocks))
 
     def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return (2, num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        return (2, num_blocks, self.block_size, self.kv_heads, self.row_width)
 
     def layer_nbytes(self, num_blocks: int) -> int:
         return 2 * num_blocks * self.block_nbytes
@@ -87,6 +125,16 @@ class KVLayout:
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs:
                 raise LayoutMismatch(f"KV layout field {f.name}: {mine!r} here, {theirs!r} peer")
+
+
+def int8_rows(x: Tensor) -> Tensor:
+    """``x`` ``[..., head_dim]`` as int8 cache rows ``[..., head_dim + 4]``: each row quantized
+    symmetric by its own largest magnitude (engine/quantization.py's formula), its fp32 scale's
+    bytes appended."""
+    d = x.shape[-1]
+    q, scale = quantize_rows(x.reshape(-1, d))
+    rows = torch.cat((q, scale[:, None].view(torch.int8)), 1)
+    return rows.view(*x.shape[:-1], d + INT8_SCALE_BYTES)
 
 
 def extract_layer(kv_cache: Tensor, layer: int, block_ids: Sequence[int] | Tensor) -> Tensor:

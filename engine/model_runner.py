@@ -70,6 +70,22 @@ def check_quantization(config: EngineConfig, device: torch.device) -> None:
         )
 
 
+def check_kv_cache_dtype(config: EngineConfig, device: torch.device) -> None:
+    """Raise ValueError (saying why) where an int8 KV cache cannot run: only the compiled CPU
+    attention kernel reads it."""
+    if config.kv_cache_dtype != "int8":
+        return
+    if device.type != "cpu":
+        raise ValueError(f"kv_cache_dtype int8 runs on CPU, not {device.type}")
+    if config.attention_backend == "sdpa":
+        raise ValueError("kv_cache_dtype int8 is read by the CPU attention kernel, not sdpa")
+    if kernels.load("paged_decode_attention") is None:
+        raise ValueError(
+            "kv_cache_dtype int8 needs the compiled paged_decode_attention kernel (no C++ "
+            f"compiler or OpenMP, or {kernels.DISABLE_ENV}=0; see the log)"
+        )
+
+
 class ModelRunner:
     """Executes :class:`SchedulerOutput` steps; the scheduler owns which blocks mean what."""
 
@@ -80,7 +96,8 @@ class ModelRunner:
         self.model_config = mc
         self.device = device
         self.block_size = config.block_size
-        block_bytes = mc.kv_bytes_per_token * config.block_size
+        self.kv_layout = KVLayout.for_model(mc, config.block_size, config.kv_cache_dtype)
+        block_bytes = self.kv_layout.bytes_per_token * config.block_size
         self.num_blocks = config.kv_cache_bytes // block_bytes
         if self.num_blocks < 1:
             raise ValueError(
@@ -89,6 +106,7 @@ class ModelRunner:
         self.num_host_blocks = config.swap_space_bytes // block_bytes
         check_deterministic(config, device)
         check_quantization(config, device)
+        check_kv_cache_dtype(config, device)
         self.deterministic = config.deterministic
         self.model = DecoderModel(
             mc,
@@ -100,31 +118,35 @@ class ModelRunner:
         )
         # Zeros, not empty: decode reads padding slots (masked out, weight 0), and 0 * NaN from
         # uninitialised memory would still poison the output.
-        self.kv_cache = _zeros(self._cache_shape(self.num_blocks), mc.dtype, device)
+        layout = self.kv_layout
+        self.kv_cache = _zeros(layout.cache_shape(self.num_blocks), layout.torch_dtype, device)
+        host_shape = layout.cache_shape(self.num_host_blocks)
         if device.type == "cuda":
-            self.host_cache = torch.zeros(
-                self._cache_shape(self.num_host_blocks), dtype=mc.dtype, pin_memory=True
-            )
+            self.host_cache = torch.zeros(host_shape, dtype=layout.torch_dtype, pin_memory=True)
         else:
-            self.host_cache = _zeros(self._cache_shape(self.num_host_blocks), mc.dtype, device)
-        self.kv_layout = KVLayout.from_cache(self.kv_cache)
+            self.host_cache = _zeros(host_shape, layout.torch_dtype, device)
         self._workspace = torch.empty(self._workspace_shape(0), dtype=mc.dtype, device=device)
         # Called with (layer index, the step's SchedulerOutput) once that layer's K/V of the
         # step is written: a prefill worker streams a layer while later layers compute.
         self.layer_hook: Callable[[int, SchedulerOutput], None] | None = None
-        self.decode_kernel = self.deterministic or (
+        # Every row a query of the paged kernel: for the invariant numerics, and for an int8
+        # cache, which only the kernel reads.
+        self.paged_rows = self.deterministic or layout.dtype == "int8"
+        self.decode_kernel = self.paged_rows or (
             config.attention_backend != "sdpa"
             and device.type == "cpu"
             and kernels.load("paged_decode_attention") is not None
         )
 
-    def _cache_shape(self, num_blocks: int) -> tuple[int, ...]:
-        mc = self.model_config
-        heads, d = mc.num_key_value_heads, mc.head_dim
-        return (mc.num_hidden_layers, 2, num_blocks, self.block_size, heads, d)
+    @property
+    def numerics(self) -> str:
+        """The engine's numerics class (docs/design.md#numerics-classes): the model's, and
+        ``/kv-int8`` with an int8 cache, whose bits differ (and whose blocks do not fit)."""
+        kv = "/kv-int8" if self.kv_layout.dtype == "int8" else ""
+        return self.model.numerics + kv
 
     def _workspace_shape(self, num_blocks: int) -> tuple[int, ...]:
-        return self._cache_shape(num_blocks)[1:]
+        return self.kv_layout.payload_shape(num_blocks)
 
     def _decode_workspace(self, num_blocks: int) -> Tensor:
         """K/V gather target for ``num_blocks`` blocks; grows (never shrinks) so steady-state
@@ -204,7 +226,7 @@ class ModelRunner:
             for c in chunks
             for row in range(last_row[id(c)] + 1 - c.num_logit_rows, last_row[id(c)] + 1)
         ]
-        if self.deterministic:
+        if self.paged_rows:
             return self._prepare_invariant(decodes + prefills, ids, pos, slots, sample_rows)
         firsts = self._first_blocks([c.start_pos for c in decodes])
         tables, width = self._decode_tables(decodes, firsts)

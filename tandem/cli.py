@@ -215,6 +215,12 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         help="int8: W8A8 linear layers (docs/design.md#quantization)",
     )
     p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8"],
+        default=None,
+        help="int8: int8 KV cache, one scale per token and head (docs/design.md#int8-kv)",
+    )
+    p.add_argument(
         "--speculative",
         choices=["ngram"],
         default=None,
@@ -231,6 +237,8 @@ def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     if a.quantization:
         settings["quantization"] = a.quantization
+    if a.kv_cache_dtype:
+        settings["kv_cache_dtype"] = a.kv_cache_dtype
     if a.speculative_k is not None and not a.speculative:
         raise ValueError("--speculative-k needs --speculative")
     if a.speculative:

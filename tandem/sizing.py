@@ -38,7 +38,7 @@ def sized_engine(
     if not sizes_itself(engine):
         return engine
     kv_bytes = int(kv_memory_fraction * (memory_bytes - weights_bytes))
-    block_bytes = engine.block_size * model.kv_bytes_per_token
+    block_bytes = engine.block_size * model.kv_bytes_per_token(engine.kv_cache_dtype)
     if kv_bytes < block_bytes:
         raise ValueError(
             f"{memory_bytes} bytes of memory per worker leave no KV cache once the weights "

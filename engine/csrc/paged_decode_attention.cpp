@@ -16,6 +16,10 @@
 //
 // With AVX2+FMA (and d % 16 == 0) the kernels use intrinsics; otherwise plain loops with the
 // same arithmetic. An AVX-512 build takes the AVX2 path too (__AVX2__ is defined there).
+//
+// An int8 cache (kv_cache_dtype int8, engine/kv_layout.py) holds each token's head as d int8
+// values followed by their fp32 scale: scores are (q . k_int) * k_scale * scale, and P.V adds
+// (p * v_scale) * v_int, the integers read as exact floats -- half the bytes of bf16 per key.
 
 #include <torch/extension.h>
 
@@ -95,6 +99,7 @@ inline float round_bf16(float x) {
 }
 
 inline float to_float(float x) { return x; }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline float to_float(at::BFloat16 x) {
   uint32_t widened = static_cast<uint32_t>(x.x) << 16;
   float f;
@@ -118,6 +123,12 @@ inline void load16(const at::BFloat16* p, __m256& a, __m256& b) {
   const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   a = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
   b = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(-65536)));
+}
+
+inline void load16(const int8_t* p, __m256& a, __m256& b) {
+  const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+  b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
 }
 
 // exp for x <= 0 (scores minus their running max): Cephes expf range reduction and polynomial,
@@ -205,18 +216,37 @@ inline void pv_tile(const float* p, const T* const* v, int64_t n, int64_t c, flo
 }
 #endif
 
-// Where element i of a head vector lives in q / the accumulators: bf16 on the vector path
-// keeps each 16-element chunk as [evens, odds] (load16); otherwise in place.
-template <typename T>
+// Where element i of a head vector lives in q / the accumulators: a bf16 cache on the vector
+// path keeps each 16-element chunk as [evens, odds] (load16); otherwise in place.
+template <typename C>
 inline int64_t slot(int64_t i, bool vec) {
-  if (!vec || sizeof(T) == sizeof(float)) return i;
+  if (!vec || !std::is_same_v<C, at::BFloat16>) return i;
   return (i & ~int64_t{15}) + ((i & 1) << 3) + ((i & 15) >> 1);
 }
 
-// s[t] = (q . k[t]) * scale for t < n (s has room for n rounded up to 8).
+// An int8 cache row's fp32 scale, stored after its d values; 1 (unused) for a float cache.
+constexpr int64_t kScaleBytes = 4;
+template <typename C>
+constexpr int64_t kRowExtra = std::is_same_v<C, int8_t> ? kScaleBytes : 0;
+
+template <typename C>
+inline float row_scale(const C* row, int64_t d) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    float s;
+    std::memcpy(&s, row + d, sizeof(s));
+    return s;
+  } else {
+    (void)row, (void)d;
+    return 1.0f;
+  }
+}
+
+// s[t] = (q . k[t]) * scale for t < n (s has room for n rounded up to 8); an int8 row's dot is
+// multiplied by its scale first.
 template <typename T>
 inline void tile_scores(const float* q, const T* const* k, int64_t n, int64_t d, bool vec,
                         float scale, float* s) {
+  constexpr bool int8 = std::is_same_v<T, int8_t>;
 #ifdef TANDEM_AVX2
   if (vec) {
     const __m256 sc = _mm256_set1_ps(scale);
@@ -233,7 +263,13 @@ inline void tile_scores(const float* q, const T* const* k, int64_t n, int64_t d,
           a[j] = _mm256_fmadd_ps(q1, y, _mm256_fmadd_ps(q0, x, a[j]));
         }
       }
-      _mm256_storeu_ps(s + t0, _mm256_mul_ps(hsum8(a), sc));
+      __m256 dots = hsum8(a);
+      if constexpr (int8) {
+        float ks[8];
+        for (int j = 0; j < 8; ++j) ks[j] = row_scale(r[j], d);
+        dots = _mm256_mul_ps(dots, _mm256_loadu_ps(ks));
+      }
+      _mm256_storeu_ps(s + t0, _mm256_mul_ps(dots, sc));
     }
     return;
   }
@@ -245,6 +281,10 @@ inline void tile_scores(const float* q, const T* const* k, int64_t n, int64_t d,
 #pragma omp simd reduction(+ : acc)
     for (int64_t i = 0; i < d; ++i) acc += q[i] * to_float(kr[i]);
     no_contract(acc);
+    if constexpr (int8) {
+      acc *= row_scale(kr, d);
+      no_contract(acc);
+    }
     s[t] = acc * scale;
   }
 }
@@ -294,8 +334,8 @@ inline float split_exp(float* s, int64_t n, float mx) {
 
 // acc[0, d) += sum_t p[t] * v[t].
 template <typename T>
-inline void tile_pv(const float* p, const T* const* v, int64_t n, int64_t d, bool vec,
-                    float* acc) {
+inline void tile_pv_rows(const float* p, const T* const* v, int64_t n, int64_t d, bool vec,
+                         float* acc) {
 #ifdef TANDEM_AVX2
   if (vec) {
     int64_t c = 0;
@@ -311,6 +351,19 @@ inline void tile_pv(const float* p, const T* const* v, int64_t n, int64_t d, boo
     const T* vr = v[t];
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) acc[i] += pt * to_float(vr[i]);
+  }
+}
+
+// tile_pv_rows, an int8 row's weight being p[t] times its scale.
+template <typename T>
+inline void tile_pv(const float* p, const T* const* v, int64_t n, int64_t d, bool vec,
+                    float* acc) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    float scaled[kTile];
+    for (int64_t t = 0; t < n; ++t) scaled[t] = p[t] * row_scale(v[t], d);
+    tile_pv_rows(scaled, v, n, d, vec, acc);
+  } else {
+    tile_pv_rows(p, v, n, d, vec, acc);
   }
 }
 
@@ -350,9 +403,10 @@ struct Prefetcher {
 
 // Sequence attention for the query heads of kv heads [g0, g1) over table positions
 // [start, end); q / out point at the first of those heads. The kv heads share the tile walks:
-// located once per tile, and a task with several reads contiguous rows.
-template <typename T>
-void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* table,
+// located once per tile, and a task with several reads contiguous rows. T: q and out; C: the
+// cache's elements (T, or int8 with a scale after each head's row).
+template <typename T, typename C>
+void decode_task(const T* q, const C* k_cache, const C* v_cache, const int64_t* table,
                  int64_t start, int64_t end, int64_t block_size, int64_t kv_heads, int64_t g0,
                  int64_t g1, int64_t group, int64_t d, float scale, T* out, float* buf) {
 #ifdef TANDEM_AVX2
@@ -369,34 +423,35 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   float* l = m + heads;
   float* scores = l + heads;
   for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t i = 0; i < d; ++i) qf[h * d + slot<T>(i, vec)] = to_float(q[h * d + i]);
+    for (int64_t i = 0; i < d; ++i) qf[h * d + slot<C>(i, vec)] = to_float(q[h * d + i]);
     m[h] = kNegInf;
     l[h] = 0.0f;
   }
   std::fill(acc, acc + heads * d, 0.0f);
-  const int64_t token_stride = kv_heads * d;
-  const int64_t row_bytes = (g1 - g0) * d * static_cast<int64_t>(sizeof(T));
+  const int64_t head_stride = d + kRowExtra<C>;
+  const int64_t token_stride = kv_heads * head_stride;
+  const int64_t row_bytes = (g1 - g0) * head_stride * static_cast<int64_t>(sizeof(C));
   // Tokens per tile: one kv head's K slice of it ~8 KB, so it stays in L1 while the group's
   // heads go over it.
   const int64_t tile_len =
-      std::clamp<int64_t>(8192 / (d * static_cast<int64_t>(sizeof(T))) / 8 * 8, 8, kTile);
-  auto locate = [&](const T* cache, int64_t pos, int64_t limit, Tile<T>& tile) {
+      std::clamp<int64_t>(8192 / (d * static_cast<int64_t>(sizeof(C))) / 8 * 8, 8, kTile);
+  auto locate = [&](const C* cache, int64_t pos, int64_t limit, Tile<C>& tile) {
     tile.n = std::min(tile_len, limit - pos);
     int64_t blk = pos / block_size, off = pos % block_size;
     for (int64_t j = 0; j < tile.n; ++j) {
-      tile.row[j] = cache + (table[blk] * block_size + off) * token_stride + g0 * d;
+      tile.row[j] = cache + (table[blk] * block_size + off) * token_stride + g0 * head_stride;
       if (++off == block_size) off = 0, ++blk;
     }
   };
-  Tile<T> tiles[2];
-  Prefetcher<T> pf;
-  const T* rows[kTile];
+  Tile<C> tiles[2];
+  Prefetcher<C> pf;
+  const C* rows[kTile];
   // body(tile, offset of the tile in the split) for each tile of cache rows [b0, b1).
-  auto walk = [&](const T* cache, int64_t b0, int64_t b1, auto&& body) {
+  auto walk = [&](const C* cache, int64_t b0, int64_t b1, auto&& body) {
     int cur = 0;
     locate(cache, b0, b1, tiles[0]);
     for (int64_t pos = b0; pos < b1; cur ^= 1) {
-      const Tile<T>& tile = tiles[cur];
+      const Tile<C>& tile = tiles[cur];
       pf.stop();
       if (pos + tile.n < b1) {
         locate(cache, pos + tile.n, b1, tiles[cur ^ 1]);
@@ -409,9 +464,9 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   for (int64_t b0 = start; b0 < end;) {
     const int64_t b1 = std::min(end, (b0 / kSplit + 1) * kSplit);
     // Every head's scores over the split; a kv head's K rows are shared by its group in L1.
-    walk(k_cache, b0, b1, [&](const Tile<T>& tile, int64_t off) {
+    walk(k_cache, b0, b1, [&](const Tile<C>& tile, int64_t off) {
       for (int64_t g = 0; g < g1 - g0; ++g) {
-        for (int64_t t = 0; t < tile.n; ++t) rows[t] = tile.row[t] + g * d;
+        for (int64_t t = 0; t < tile.n; ++t) rows[t] = tile.row[t] + g * head_stride;
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           pf.issue();
           tile_scores(qf + h * d, rows, tile.n, d, vec, scale, scores + h * kSplit + off);
@@ -430,9 +485,9 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
       }
       m[h] = mx;
     }
-    walk(v_cache, b0, b1, [&](const Tile<T>& tile, int64_t off) {
+    walk(v_cache, b0, b1, [&](const Tile<C>& tile, int64_t off) {
       for (int64_t g = 0; g < g1 - g0; ++g) {
-        for (int64_t t = 0; t < tile.n; ++t) rows[t] = tile.row[t] + g * d;
+        for (int64_t t = 0; t < tile.n; ++t) rows[t] = tile.row[t] + g * head_stride;
         for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           pf.issue();
           tile_pv(scores + h * kSplit + off, rows, tile.n, d, vec, acc + h * d);
@@ -443,14 +498,14 @@ void decode_task(const T* q, const T* k_cache, const T* v_cache, const int64_t* 
   }
   for (int64_t h = 0; h < heads; ++h) {
     const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;  // empty context -> zeros
-    for (int64_t i = 0; i < d; ++i) store(acc[h * d + slot<T>(i, vec)] * inv, out + h * d + i);
+    for (int64_t i = 0; i < d; ++i) store(acc[h * d + slot<C>(i, vec)] * inv, out + h * d + i);
   }
 }
 
 // Work split: (sequence, run of kv heads) tasks, with as many kv heads per task as still
 // leaves about 8 tasks per thread for the dynamic schedule to balance uneven contexts.
-template <typename T>
-void run_tasks(const T* q, const T* k_cache, const T* v_cache, const int64_t* tables,
+template <typename T, typename C>
+void run_tasks(const T* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                const int64_t* starts, const int64_t* ends, int64_t batch, int64_t heads,
                int64_t d, int64_t block_size, int64_t kv_heads, int64_t width, float scale,
                T* out, int threads) {
@@ -467,39 +522,57 @@ void run_tasks(const T* q, const T* k_cache, const T* v_cache, const int64_t* ta
     for (int64_t task = 0; task < tasks; ++task) {
       const int64_t b = task / chunks, g0 = task % chunks * per_task;
       const int64_t head0 = b * heads + g0 * group;
-      decode_task<T>(q + head0 * d, k_cache, v_cache, tables + b * width, starts[b], ends[b],
+      decode_task<T, C>(q + head0 * d, k_cache, v_cache, tables + b * width, starts[b], ends[b],
                      block_size, kv_heads, g0, g0 + per_task, group, d, scale, out + head0 * d,
                      buf.data());
     }
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& tables, const torch::Tensor& starts, const torch::Tensor& ends,
          double scale, torch::Tensor& out) {
-  run_tasks<T>(q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-               tables.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), ends.data_ptr<int64_t>(),
-               q.size(0), q.size(1), q.size(2), k_cache.size(1), k_cache.size(2), tables.size(1),
-               static_cast<float>(scale), out.data_ptr<T>(), at::get_num_threads());
+  run_tasks<T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
+                  tables.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
+                  ends.data_ptr<int64_t>(), q.size(0), q.size(1), q.size(2), k_cache.size(1),
+                  k_cache.size(2), tables.size(1), static_cast<float>(scale), out.data_ptr<T>(),
+                  at::get_num_threads());
+}
+
+template <typename T>
+void run_on_cache(const torch::Tensor& q, const torch::Tensor& k_cache,
+                  const torch::Tensor& v_cache, const torch::Tensor& tables,
+                  const torch::Tensor& starts, const torch::Tensor& ends, double scale,
+                  torch::Tensor& out) {
+  if (k_cache.scalar_type() == torch::kChar) {
+    run<T, int8_t>(q, k_cache, v_cache, tables, starts, ends, scale, out);
+  } else {
+    run<T, T>(q, k_cache, v_cache, tables, starts, ends, scale, out);
+  }
 }
 
 }  // namespace
 
-// q [B, heads, d]; caches [num_blocks, block_size, kv_heads, d]; tables [B, W] int64;
-// sequence b attends to table positions [starts[b], ends[b]). Returns [B, heads * d].
+// q [B, heads, d]; caches [num_blocks, block_size, kv_heads, d] of q's dtype, or int8
+// [num_blocks, block_size, kv_heads, d + 4] (each row's fp32 scale in its last 4 bytes);
+// tables [B, W] int64; sequence b attends to table positions [starts[b], ends[b]).
+// Returns [B, heads * d].
 torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
                                      torch::Tensor v_cache, torch::Tensor tables,
                                      torch::Tensor starts, torch::Tensor ends, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               "q [B, heads, d] and caches [num_blocks, block_size, kv_heads, d] expected");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "CPU tensors expected");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() &&
+  const bool int8 = k_cache.scalar_type() == torch::kChar;
+  TORCH_CHECK((int8 || q.scalar_type() == k_cache.scalar_type()) &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "q and caches must share a dtype");
+              "caches must share a dtype, q's or int8");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "caches must be contiguous");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(1) % k_cache.size(2) == 0,
-              "head_dim mismatch or heads not a multiple of kv_heads");
+  TORCH_CHECK(q.size(2) + (int8 ? kScaleBytes : 0) == k_cache.size(3) &&
+                  q.size(1) % k_cache.size(2) == 0,
+              "head_dim mismatch (an int8 cache row is head_dim + 4 bytes) or heads not a "
+              "multiple of kv_heads");
   const int64_t batch = q.size(0);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == batch && starts.numel() == batch &&
                   ends.numel() == batch,
@@ -520,9 +593,9 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
   }
   auto out = torch::empty({batch, q.size(1) * q.size(2)}, q.options());
   if (q.scalar_type() == torch::kFloat) {
-    run<float>(q, k_cache, v_cache, tables, starts, ends, scale, out);
+    run_on_cache<float>(q, k_cache, v_cache, tables, starts, ends, scale, out);
   } else if (q.scalar_type() == torch::kBFloat16) {
-    run<at::BFloat16>(q, k_cache, v_cache, tables, starts, ends, scale, out);
+    run_on_cache<at::BFloat16>(q, k_cache, v_cache, tables, starts, ends, scale, out);
   } else {
     TORCH_CHECK(false, "float32 or bfloat16 expected");
   }

@@ -62,23 +62,36 @@ def test_demo_model_then_generate_json(tmp_path: Path) -> None:
     assert o["text"] == ref.text
 
 
-def test_generate_with_int8_weights_gives_the_int8_engines_tokens(bf16_llama: Path) -> None:
-    """``--quantization int8``: the CLI runs the W8A8 engine (docs/design.md#quantization): a
-    seeded sample draws the in-process int8 engine's tokens, which are not the bf16 engine's
-    (a draw moves with the logits)."""
+@pytest.mark.parametrize(
+    "flags",
+    [
+        {"quantization": "int8"},
+        {"kv_cache_dtype": "int8"},
+        {"quantization": "int8", "kv_cache_dtype": "int8"},
+    ],
+    ids=["weights", "kv", "both"],
+)
+def test_generate_with_int8_gives_that_int8_engines_tokens(
+    bf16_llama: Path, flags: dict[str, str]
+) -> None:
+    """``--quantization int8`` (W8A8, docs/design.md#quantization) and ``--kv-cache-dtype int8``
+    (docs/design.md#int8-kv), each and together: a seeded sample draws the tokens of the
+    in-process engine so configured, which are not the bf16 engine's (a draw moves with the
+    logits)."""
+    args = [f"--{k.replace('_', '-')}={v}" for k, v in flags.items()]
     r = run(
         "generate", "--model", str(bf16_llama), "--prompt", "Hello world", "--max-tokens", "16",
-        "--ignore-eos", "--json", "--temperature", "1.0", "--seed", "3", "--quantization", "int8",
+        "--ignore-eos", "--json", "--temperature", "1.0", "--seed", "3", *args,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     [o] = json.loads(r.stdout)["outputs"]
     params = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
-    refs = {}
-    for quantization in ("none", "int8"):
-        config = EngineConfig(quantization=quantization, kv_cache_bytes=256 * 2**20)
-        engine = LLMEngine.from_checkpoint(bf16_llama, config)
-        [[refs[quantization]]] = engine.generate(["Hello world"], params)
-    assert o["token_ids"] == refs["int8"].token_ids != refs["none"].token_ids
+    refs = []
+    for settings in ({}, flags):
+        config = EngineConfig(kv_cache_bytes=256 * 2**20, **settings)  # type: ignore[arg-type]
+        [[out]] = LLMEngine.from_checkpoint(bf16_llama, config).generate(["Hello world"], params)
+        refs.append(out.token_ids)
+    assert o["token_ids"] == refs[1] != refs[0]
 
 
 QUOTE = "Repeat this word for word: the meeting moves to Thursday at ten in room four."
@@ -186,23 +199,24 @@ def test_serve_answers_then_stops_cleanly_on_ctrl_c(test_llama: Path) -> None:
 
 
 @pytest.mark.e2e
-def test_serve_with_int8_weights_and_speculation_runs_every_worker_on_them(
+def test_serve_with_int8_weights_kv_and_speculation_runs_every_worker_on_them(
     smollm2: Path,
 ) -> None:
-    """``tandem serve --quantization int8 --speculative ngram`` on a topology that does not
-    speculate itself (local-colocated.yaml): each worker reports the int8 numerics class in
-    ``/v1/cluster``; the real model asked to repeat a sentence is drafted for, and the drafts
+    """``tandem serve --quantization int8 --kv-cache-dtype int8 --speculative ngram`` on a
+    topology that does not speculate itself (local-colocated.yaml): each worker reports the int8
+    numerics class with the int8 cache in ``/v1/cluster``; the real model asked to repeat a sentence is drafted for, and the drafts
     show in ``/v1/cluster`` and ``/metrics``."""
     import urllib.request
 
     topology = str(DEFAULT_TOPOLOGY.with_name("local-colocated.yaml"))
     assert load_topology(topology).pools.colocated.engine.speculative is None  # type: ignore[union-attr]
     args = ("--topology", topology, "--model", str(smollm2), "--quantization", "int8")
-    with serving(*args, "--speculative", "ngram") as (port, _):
+    with serving(*args, "--kv-cache-dtype", "int8", "--speculative", "ngram") as (port, _):
         base = f"http://127.0.0.1:{port}"
         with urllib.request.urlopen(f"{base}/v1/cluster", timeout=60) as reply:
             workers = json.loads(reply.read())["workers"]
-        assert workers and {w["numerics"].split("/")[1] for w in workers} == {"int8"}
+        classes = {tuple(w["numerics"].split("/")[1::2]) for w in workers}
+        assert workers and classes == {("int8", "kv-int8")}
         body = {
             "model": smollm2.name,
             "messages": [{"role": "user", "content": QUOTE}],

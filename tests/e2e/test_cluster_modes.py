@@ -216,7 +216,7 @@ def test_a_pool_without_kv_limits_is_sized_from_the_memory_ray_gives_it(
     free = ray.available_resources().get("memory", 0.0)
     with launch(SIZED, test_llama) as c:
         info = c.infos["colocated-0"]
-        block_bytes = 16 * model.kv_bytes_per_token
+        block_bytes = 16 * model.kv_bytes_per_token()
         assert info.num_kv_blocks == spec.engine.kv_cache_bytes // block_bytes > 0
         assert info.max_num_seqs == spec.engine.max_num_seqs > 1
         assert free - ray.available_resources().get("memory", 0.0) == 128 * 2**20  # reserved

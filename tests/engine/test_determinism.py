@@ -259,13 +259,23 @@ def test_preemption_changes_no_bit(bf16_llama: Path, params: SamplingParams, mod
     back; every one equals its run alone."""
     prompts = [[(29 * i + 3 * j) % 2000 + 8 for i in range(40 + 13 * j)] for j in range(8)]
     refs = [alone(bf16_llama, p, params) for p in prompts]
-    block_bytes = 16 * load_checkpoint(bf16_llama, dtype="bfloat16").config.kv_bytes_per_token
+    assert preempted_run(bf16_llama, prompts, params, mode) == refs
+
+
+def preempted_run(
+    path: Path, prompts: list[list[int]], params: SamplingParams, mode: str, **kw: object
+) -> list[tuple[object, ...]]:
+    """``prompts`` in an engine whose cache holds 40 blocks (and the host 64): asserts that
+    something was preempted (``mode``: recompute or swap); each request's :func:`key`."""
+    config = load_checkpoint(path, dtype="bfloat16").config
+    block_bytes = 16 * config.kv_bytes_per_token(str(kw.get("kv_cache_dtype", "auto")))
     engine = engine_for(
-        bf16_llama,
+        path,
         kv_cache_bytes=40 * block_bytes,
         swap_space_bytes=64 * block_bytes,
         preemption_mode=mode,
         admission_output_tokens=0,
+        **kw,
     )
     preempted: list[str] = []
     execute = engine.runner.execute
@@ -277,8 +287,8 @@ def test_preemption_changes_no_bit(bf16_llama: Path, params: SamplingParams, mod
     engine.runner.execute = spy  # type: ignore[method-assign]
     outs = engine.generate(prompts, params)
     assert preempted, "nothing was preempted"
-    assert [key(o) for [o] in outs] == refs
     assert_engine_clean(engine)
+    return [key(o) for [o] in outs]
 
 
 # -- SGLang's three determinism modes, on CPU ------------------------------------------------------

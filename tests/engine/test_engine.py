@@ -189,7 +189,7 @@ def test_preemption_keeps_outputs_exact(arch_case, mode: str) -> None:
 def kv_bytes_per_token(path: Path) -> int:
     from engine.loader import load_checkpoint
 
-    return load_checkpoint(path, dtype="float32").config.kv_bytes_per_token
+    return load_checkpoint(path, dtype="float32").config.kv_bytes_per_token()
 
 
 # -- sampling through the engine (llama only) ---------------------------------------------------

@@ -91,7 +91,7 @@ def test_d07_logical_vs_allocated_slots() -> None:
         sliding_window=None,
         dtype=torch.float16,
     )
-    assert cfg.kv_bytes_per_token == 64
+    assert cfg.kv_bytes_per_token() == 64
     kv = KVCacheManager(8, 4)
     prefill(kv, req("a", [1]))
     prefill(kv, req("b", [2, 3, 4, 5, 6]))

@@ -21,6 +21,7 @@ from engine.sampler import (
     log_softmax,
     row_sum,
     token_logprobs,
+    top_p_mask,
 )
 from engine.sampling_params import Constraint, SamplingParams
 from engine.structured import Grammars, GrammarState
@@ -204,3 +205,30 @@ def test_the_top_lists_are_a_stable_sorts_first_entries(seed: int) -> None:
         out = token_logprobs(logits, [0] * rows, [n] * rows)
         assert [[t for t, _ in o.top] for o in out] == ids[:, :n].tolist()
         assert [[v for _, v in o.top] for o in out] == values[:, :n].tolist()
+
+
+def full_sort_top_p(probs: torch.Tensor, p: list[float]) -> torch.Tensor:
+    """top_p_mask's definition, written out: a stable descending sort of the whole vocabulary,
+    each position kept while the mass before it is below p (the first always; p >= 1: all)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    target = torch.tensor(p, dtype=torch.float64)[:, None]
+    keep = (sorted_probs.double().cumsum(-1) - sorted_probs < target - 1e-6) | (target >= 1.0)
+    keep[:, 0] = True
+    return torch.zeros_like(keep).scatter(-1, order, keep)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_top_p_keeps_what_a_full_stable_sort_keeps(seed: int) -> None:
+    """top_p orders only each row's likeliest candidates, widening them until their mass
+    reaches p: the same mask as the full sort, on bf16-rounded logits (ties everywhere, some
+    across the candidates' edge), peaked rows (done at 64), flat ones (the full sort), rows of
+    ties only, and p from tiny to 1."""
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = 1 + seed % 9, [40, 300, 5000, 49152][seed % 4]
+    spread = [0.3, 1.0, 4.0, 12.0][(seed // 4) % 4]
+    logits = (torch.randn(rows, vocab, generator=g) * spread).bfloat16().float()
+    if seed % 5 == 0:
+        logits[0] = 1.5  # a row of ties only
+    probs = torch.softmax(logits, -1)
+    p = [[1e-9, 0.1, 0.5, 0.9, 0.95, 0.999, 1.0][(seed + i) % 7] for i in range(rows)]
+    assert torch.equal(top_p_mask(probs, p), full_sort_top_p(probs, p))

@@ -33,7 +33,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from contracts.faults import Fault, FaultAction, FaultPoint
-from engine.kv_layout import KVLayout, LayoutMismatch, byte_view, extract_layer, write_layer
+from engine.kv_layout import (
+    INT8_SCALE_BYTES,
+    KVLayout,
+    LayoutMismatch,
+    byte_view,
+    extract_layer,
+    write_layer,
+)
 from kv_transfer import kv_transfer_pb2 as pb
 from kv_transfer.errors import (
     KVFrameError,
@@ -83,13 +90,18 @@ LAYERS, BLOCK, HEADS, HEAD_DIM = 4, 16, 4, 64
 TRANSPORTS = ["grpc", "torch"]
 
 
+def row_width(dtype: torch.dtype) -> int:
+    """A token's head in the cache: HEAD_DIM values (int8: and its scale's bytes)."""
+    return HEAD_DIM + (INT8_SCALE_BYTES if dtype == torch.int8 else 0)
+
+
 def random_cache(num_blocks: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """A cache of random bit patterns (every value, NaN payloads included, is some pattern)."""
     g = torch.Generator().manual_seed(seed)
-    shape = (LAYERS, 2, num_blocks, BLOCK, HEADS, HEAD_DIM)
-    if dtype == torch.bfloat16:
-        return torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=g).view(dtype)
-    return torch.randint(-(2**31), 2**31, shape, dtype=torch.int32, generator=g).view(dtype)
+    shape = (LAYERS, 2, num_blocks, BLOCK, HEADS, row_width(dtype))
+    bits = {torch.bfloat16: torch.int16, torch.int8: torch.int8}.get(dtype, torch.int32)
+    info = torch.iinfo(bits)
+    return torch.randint(info.min, info.max + 1, shape, dtype=bits, generator=g).view(dtype)
 
 
 def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -234,14 +246,14 @@ def test_layout_from_cache_and_mismatch_names_the_field() -> None:
         layout.check_compatible(KVLayout.from_cache(random_cache(3, torch.float32)))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
 def test_extract_then_write_moves_exact_bytes(dtype: torch.dtype) -> None:
     src, dst = random_cache(12, dtype, seed=1), random_cache(12, dtype, seed=2)
     before = dst.clone()
     src_ids, dst_ids = [7, 2, 9, 4], [0, 11, 3, 5]
     for layer in range(LAYERS):
         payload = extract_layer(src, layer, src_ids)
-        assert payload.shape == (2, 4, BLOCK, HEADS, HEAD_DIM) and payload.is_contiguous()
+        assert payload.shape == (2, 4, BLOCK, HEADS, row_width(dtype)) and payload.is_contiguous()
         write_layer(dst, layer, dst_ids, payload)
     assert same_bytes(dst[:, :, dst_ids], src[:, :, src_ids])
     untouched = [b for b in range(12) if b not in dst_ids]
@@ -300,7 +312,7 @@ def headers(draw: st.DrawFn) -> TransferHeader:
         draw(st.integers(1, 256)),
         draw(st.integers(1, 64)),
         draw(st.integers(1, 512)),
-        draw(st.sampled_from(["float32", "float16", "bfloat16"])),
+        draw(st.sampled_from(["float32", "float16", "bfloat16", "int8"])),
     )
     num_blocks = draw(st.integers(0, 50))
     return TransferHeader(
@@ -470,15 +482,17 @@ def test_lease_expiry_and_peer_death() -> None:
 # --- transport contract -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int8])
 def test_large_transfer_moves_exact_bytes(
     registry: KVExportRegistry, server: KVTransferServer, client: KVTransport, dtype: torch.dtype
 ) -> None:
-    layer_block = 2 * BLOCK * HEADS * HEAD_DIM * torch.empty(0, dtype=dtype).element_size()
+    """32 MiB of random bytes, in each cache dtype (int8 rows with their scales as they are)."""
+    row = row_width(dtype)
+    layer_block = 2 * BLOCK * HEADS * row * torch.empty(0, dtype=dtype).element_size()
     n = (32 << 20) // (LAYERS * layer_block)  # 32 MiB of payload
     src = random_cache(n + 40, dtype, seed=5)
     src_ids = torch.randperm(n + 40, generator=torch.Generator().manual_seed(1))[:n].tolist()
-    dst = torch.zeros(LAYERS, 2, n + 8, BLOCK, HEADS, HEAD_DIM, dtype=dtype)
+    dst = torch.zeros(LAYERS, 2, n + 8, BLOCK, HEADS, row, dtype=dtype)
     dst_ids = torch.randperm(n + 8, generator=torch.Generator().manual_seed(2))[:n].tolist()
     pub = publish(registry, src, src_ids)
     sink = Recorder(dst, dst_ids)

@@ -26,7 +26,7 @@ def test_read_model_config_is_what_loading_reads(test_llama: Path) -> None:
     assert config == loaded.config
     assert weights == sum(t.numel() * t.element_size() for t in loaded.weights.values())
     bf16, half = read_model_config(test_llama, "bfloat16")
-    assert (half, bf16.kv_bytes_per_token) == (weights // 2, config.kv_bytes_per_token // 2)
+    assert (half, bf16.kv_bytes_per_token()) == (weights // 2, config.kv_bytes_per_token() // 2)
 
 
 def test_left_out_kv_is_a_fraction_of_the_memory_share_and_slots_follow(test_llama: Path) -> None:
@@ -40,7 +40,7 @@ def test_left_out_kv_is_a_fraction_of_the_memory_share_and_slots_follow(test_lla
     )
     prefill, decode0, decode1 = sized_workers(topo, test_llama, cluster_memory=3 * GiB + 2)
     assert prefill.memory_bytes == decode0.memory_bytes == decode1.memory_bytes == GiB
-    context_bytes = model.max_position_embeddings * model.kv_bytes_per_token  # whole blocks
+    context_bytes = model.max_position_embeddings * model.kv_bytes_per_token()  # whole blocks
     kv = int(0.5 * (GiB - weights))
     seqs = min(MAX_AUTO_SEQS, kv // context_bytes)
     assert prefill.engine == EngineConfig(
@@ -53,6 +53,27 @@ def test_left_out_kv_is_a_fraction_of_the_memory_share_and_slots_follow(test_lla
         kv_cache_bytes=min(int(0.25 * (GiB - weights)), 7 * context_bytes), max_num_seqs=7
     )
     assert decode1.engine == decode0.engine
+
+
+def test_an_int8_cache_gets_slots_for_its_smaller_rows(test_llama: Path) -> None:
+    """``kv_cache_dtype: int8``: the same memory holds ``2d / (d + 4)`` times the full contexts
+    (the test model's fp32 rows are 4d bytes a head, int8 ones d + 4), and the slots follow."""
+    model, weights = read_model_config(test_llama)
+    d = model.head_dim
+    assert model.kv_bytes_per_token("int8") * 4 * d == model.kv_bytes_per_token() * (d + 4)
+    memory = weights + 8 * model.max_position_embeddings * model.kv_bytes_per_token()
+    plain, small = (
+        sized_engine(EngineConfig(kv_cache_dtype=kv), memory, model, weights, 0.5)  # type: ignore[arg-type]
+        for kv in ("auto", "int8")
+    )
+    kv = int(0.5 * (memory - weights))
+    for config, per_token in (
+        (plain, model.kv_bytes_per_token()),
+        (small, model.kv_bytes_per_token("int8")),
+    ):
+        context_bytes = model.max_position_embeddings * per_token
+        assert config.max_num_seqs == min(MAX_AUTO_SEQS, kv // context_bytes)
+    assert (plain.max_num_seqs, small.max_num_seqs) == (4, 4 * 4 * d // (d + 4))
 
 
 def test_on_a_labelled_cluster_each_worker_shares_its_domains_memory(test_llama: Path) -> None:
@@ -98,7 +119,7 @@ def test_a_pools_own_memory_is_used_and_reserved(test_llama: Path) -> None:
 
 def test_the_slots_are_the_full_context_sequences_the_kv_holds(test_llama: Path) -> None:
     model, _ = read_model_config(test_llama)
-    per_block = 16 * model.kv_bytes_per_token
+    per_block = 16 * model.kv_bytes_per_token()
     context = 64  # max_model_len caps the model's context
     engine = EngineConfig(max_model_len=context)
     for sequences in (1, 3, 40):
