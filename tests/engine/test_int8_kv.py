@@ -230,3 +230,15 @@ def test_without_the_kernel_an_int8_cache_is_refused(
             bf16_llama,
             EngineConfig(deterministic=False, kv_cache_bytes=2**22, **INT8),  # type: ignore[arg-type]
         )
+
+
+def test_without_deterministic_numerics_every_row_still_reads_the_int8_cache(
+    bf16_llama: Path,
+) -> None:
+    """``deterministic: false`` runs prefill chunks through SDPA, which cannot read int8 rows:
+    with an int8 cache every row goes to the paged kernel instead, and a chunked prompt
+    completes."""
+    engine = engine_for(bf16_llama, deterministic=False, max_num_batched_tokens=16, **INT8)
+    assert engine.runner.paged_rows and not engine.runner.deterministic
+    [[out]] = engine.generate([list(range(8, 48))], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert len(out.token_ids) == 8
