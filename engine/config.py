@@ -171,7 +171,7 @@ class EngineConfig(BaseModel):
     kv_cache_dtype: Literal["auto", "int8"] = Field(
         "auto",
         description="'int8': the KV cache holds int8 K and V with one fp32 scale per token and "
-        "head, taken when the token's KV is written (docs/design.md#int8-kv) -- 1.9x the tokens "
+        "head, taken when the token's KV is written (docs/design.md#int8-kv) -- 1.88x the tokens "
         "of a bf16 cache in the same bytes (head_dim 64), read in place by the attention kernel, "
         "shipped as is; a token's bytes depend on that token alone, so the deterministic-"
         "serving guarantees hold. 'auto': the model's dtype. Needs the compiled attention "

@@ -3,12 +3,13 @@ runner allocates, the attention reads and a KV transfer ships block for block.
 
 All layers' K and V live in one tensor, so a block copy or swap is one indexing op::
 
-    kv_cache[layer, 0 = K | 1 = V, block, offset_in_block, kv_head, head_dim]
+    kv_cache[layer, 0 = K | 1 = V, block, offset_in_block, kv_head, row]
 
 A block is ``block_size`` consecutive token positions of one sequence (its block table maps
 position // block_size to a block id). One layer of a set of blocks, as a transfer carries it,
-is ``kv_cache[layer][:, block_ids]``: shape ``[2, n_blocks, block_size, kv_heads, head_dim]``.
-Two caches can exchange blocks iff their :class:`KVLayout` is equal.
+is ``kv_cache[layer][:, block_ids]``: shape ``[2, n_blocks, block_size, kv_heads, row]``, a
+row being ``head_dim`` values (int8: and a scale, below). Two caches can exchange blocks iff
+their :class:`KVLayout` is equal.
 
 An int8 cache (``kv_cache_dtype: int8``, docs/design.md#int8-kv) stores each token's head as
 ``head_dim`` int8 values followed by the 4 bytes of their fp32 scale, so its last dim is
