@@ -150,7 +150,7 @@ def gemm_path(engine: LLMEngine) -> str:
     head = engine.runner.model.lm_head
     if head.mode != "invariant":
         return head.mode
-    return f"invariant ({'bf16 pairs' if head.pairs else 'fp32 FMA'})"
+    return f"invariant ({head.layout})"
 
 
 def roofline_step(engine: LLMEngine, batch: int, ctx: int, rates: dict[str, float]) -> float:

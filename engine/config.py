@@ -151,14 +151,15 @@ class EngineConfig(BaseModel):
         "Needs the compiled CPU kernels; the engine refuses to start without them (or on CUDA) "
         "unless this is false",
     )
-    invariant_layout: Literal["auto", "columns"] = Field(
+    invariant_layout: Literal["auto", "tiles", "pairs", "columns"] = Field(
         "auto",
         description="the batch-invariant GEMM's reduction layout, which decides the bits "
-        "(docs/design.md#numerics-classes): 'auto' is the fastest here -- bf16 pairs on an "
-        "AVX512-BF16 CPU, 16-column FMA panels elsewhere; 'columns' is the portable one, one "
-        "reduction order meant to give the same bits on AVX2 and AVX-512 CPUs for a cluster "
-        "that mixes them (checked on AVX2 only so far; slower where pairs would run). Workers "
-        "of different classes never share a request",
+        "(docs/design.md#numerics-classes): 'auto' is the fastest here -- AMX tiles on an "
+        "AMX-BF16 CPU, bf16 pairs on an AVX512-BF16 one, 16-column FMA panels elsewhere; 'pairs' "
+        "runs on AMX and AVX512-BF16 CPUs alike, for a cluster that mixes them; 'columns' is the "
+        "portable one, one reduction order meant to give the same bits on AVX2 and AVX-512 CPUs "
+        "(checked on AVX2 only so far; slower where the others run). A layout this CPU lacks is "
+        "refused at start. Workers of different classes never share a request",
     )
     quantization: Literal["none", "int8"] = Field(
         "none",

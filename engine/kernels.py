@@ -43,7 +43,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-e
 KERNELS: dict[str, tuple[str, ...]] = {
     "paged_decode_attention": ("paged_decode_attention",),
     "skinny_linear": ("skinny_linear",),
-    "invariant_linear": ("invariant_linear", "pack_linear", "bf16_pairs_supported"),
+    "invariant_linear": ("invariant_linear", "pack_linear", "invariant_layouts"),
     "token_bitmask": ("apply_token_bitmask",),
     "row_sum": ("row_sum",),
     "int8_linear": ("int8_linear", "pack_int8", "int8_path", "int8_path_supported"),
@@ -121,23 +121,24 @@ def _invariant() -> ModuleType:
     return ext
 
 
-def bf16_pairs_supported() -> bool:
-    """Whether this CPU runs :func:`invariant_linear`'s pairs layout (AVX512-BF16)."""
-    return bool(_invariant().bf16_pairs_supported())
+def invariant_layouts() -> list[str]:
+    """The :func:`invariant_linear` layouts this CPU runs, fastest first: ``tiles`` (AMX-BF16),
+    ``pairs`` (AVX512-BF16), ``columns`` (everywhere). Each gives its own bits."""
+    return list(_invariant().invariant_layouts())
 
 
-def pack_linear(weight: Tensor, pairs: bool) -> Tensor:
-    """``weight`` ``[N, K]`` (float32 or bfloat16, CPU) packed for :func:`invariant_linear`:
-    ``pairs`` (bf16 on an AVX512-BF16 CPU) or 16-column panels for AVX2 FMA."""
-    packed: Tensor = _invariant().pack_linear(weight, pairs)
+def pack_linear(weight: Tensor, layout: str) -> Tensor:
+    """``weight`` ``[N, K]`` (float32 or bfloat16, CPU) packed for :func:`invariant_linear` in
+    ``layout`` (one of :func:`invariant_layouts`; ``tiles`` and ``pairs`` take bf16 only)."""
+    packed: Tensor = _invariant().pack_linear(weight, layout)
     return packed
 
 
-def invariant_linear(x: Tensor, packed: Tensor, n: int, bias: Tensor | None, pairs: bool) -> Tensor:
-    """``x W^T + b`` with ``W`` ``[n, K]`` packed by :func:`pack_linear` (``pairs`` as packed,
+def invariant_linear(x: Tensor, packed: Tensor, n: int, bias: Tensor | None, layout: str) -> Tensor:
+    """``x W^T + b`` with ``W`` ``[n, K]`` packed by :func:`pack_linear` (``layout`` as packed,
     of ``x``'s dtype); ``x`` ``[M, K]``, the output in its dtype. Each output element is reduced
     over K in one order whatever M is."""
-    out: Tensor = _invariant().invariant_linear(x, packed, n, bias, pairs)
+    out: Tensor = _invariant().invariant_linear(x, packed, n, bias, layout)
     return out
 
 

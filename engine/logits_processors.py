@@ -214,7 +214,9 @@ def _apply_repetition_penalty(
     logits: Tensor, params: Sequence[SamplingParams], histories: Sequence[TokenHistory]
 ) -> None:
     """Sign-aware (docs/design.md#sampling-order) on every token seen in prompt + output: z/r if z
-    > 0, else z*r."""
+    > 0, else z*r. A finite logit stays finite (clamped to float32's range): an extreme r (any r
+    > 0 is valid, 5e-324 too) ranks tokens as its limit does, where an infinite logit would make
+    the softmax NaN; a masked token (-inf) stays masked."""
     rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
     if not rows:
         return
@@ -224,7 +226,9 @@ def _apply_repetition_penalty(
     r = torch.tensor([params[i].repetition_penalty for i in rows], device=device)[:, None]
     index = torch.tensor(rows, device=device)
     sub = logits[index]
-    penalised = torch.where(sub > 0, sub / r, sub * r)
+    most = torch.finfo(logits.dtype).max
+    scaled = torch.where(sub > 0, sub / r, sub * r)
+    penalised = torch.where(sub.isneginf(), sub, scaled.clamp(-most, most))
     logits[index] = torch.where(seen, penalised, sub)
 
 

@@ -48,14 +48,29 @@ def default_linear_mode(weight: Tensor, deterministic: bool = False) -> LinearMo
     return "packed" if _MKLDNN_BF16 else "widen"
 
 
+def invariant_layout(requested: str) -> str:
+    """The batch-invariant GEMM's layout for a bf16 weight: ``auto`` is the fastest this CPU
+    runs (:func:`engine.kernels.invariant_layouts`), a named one as asked (ValueError, naming
+    the ones it does run, where this CPU cannot)."""
+    here = kernels.invariant_layouts()
+    if requested == "auto":
+        return here[0]
+    if requested not in here:
+        raise ValueError(
+            f"invariant_layout {requested!r} does not run on this CPU; it runs {', '.join(here)}"
+        )
+    return requested
+
+
 class Linear:
     """``y = x W^T + b``: batch-invariant, or by the fastest GEMM this machine has.
 
     * ``invariant`` -- the deterministic default (engine/csrc/invariant_linear.cpp): each output
       element is reduced over K in one fixed order whatever the row count, the row's place in
       the batch or the thread count, so a token's activations do not depend on what shares its
-      step. CPU, float32 or bfloat16 weights, packed once: bf16 in pairs for ``vdpbf16ps``
-      where the CPU has AVX512-BF16 (``pairs``), else 16-column panels for AVX2 FMA. The
+      step. CPU, float32 or bfloat16 weights, packed once in a layout (``invariant_layout``):
+      bf16 AMX tiles (``tiles``) or pairs for ``vdpbf16ps`` (``pairs``) where the CPU has
+      them, else 16-column panels for AVX2 FMA (``columns``, an fp32 weight's always). The
       others are the ``deterministic: false`` paths (docs/benchmarks.md#determinism).
     * ``packed`` -- bf16 where oneDNN has native bf16 matmul (AVX512-BF16 / AMX): the weight is
       prepacked once into oneDNN's blocked layout. Plain ``F.linear`` re-packs it on every
@@ -83,23 +98,19 @@ class Linear:
         weight: Tensor,
         bias: Tensor | None,
         mode: LinearMode | None = None,
-        portable: bool = False,
+        layout: str = "auto",
     ):
         self.mode = mode or default_linear_mode(weight)
         self.bias = bias
         self.weight: Tensor | None = weight
         self.packed: Tensor | None = None
         self.out_features = weight.shape[0]
-        # The invariant kernel's layout: bf16 pairs where the CPU has AVX512-BF16, unless the
-        # portable one (columns, the same bits on AVX2 and AVX-512) is asked for.
-        self.pairs = (
-            self.mode == "invariant"
-            and weight.dtype == torch.bfloat16
-            and not portable
-            and kernels.bf16_pairs_supported()
-        )
+        # The invariant kernel's layout (an fp32 weight has only the columns one).
+        self.layout = "columns"
         if self.mode == "invariant":
-            self.packed = kernels.pack_linear(weight, self.pairs)
+            if weight.dtype == torch.bfloat16:
+                self.layout = invariant_layout(layout)
+            self.packed = kernels.pack_linear(weight, self.layout)
             self.weight = None
         self.int8: tuple[Tensor, Tensor, Tensor] | None = None  # packed, group offsets, scales
         if self.mode == "int8":
@@ -135,7 +146,7 @@ class Linear:
         if self.mode == "invariant":
             assert self.packed is not None
             return kernels.invariant_linear(
-                x, self.packed, self.out_features, self.bias, self.pairs
+                x, self.packed, self.out_features, self.bias, self.layout
             )
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -211,7 +222,7 @@ class DecoderModel:
         weights: dict[str, Tensor],
         device: torch.device,
         deterministic: bool = False,
-        portable: bool = False,
+        layout: str = "auto",
         quantization: str = "none",
     ):
         self.config = config
@@ -233,12 +244,12 @@ class DecoderModel:
             bias = fused(biases) if biases and len(biases) == len(prefixes) else None
             weight = fused([p + ".weight" for p in prefixes])
             mode = "int8" if quantization == "int8" else default_linear_mode(weight, deterministic)
-            return Linear(weight, bias, mode, portable)
+            return Linear(weight, bias, mode, layout)
 
         self.embed = get("model.embed_tokens.weight")
         self.norm = get("model.norm.weight")
         head = self.embed if c.tie_word_embeddings else get("lm_head.weight")
-        self.lm_head = Linear(head, None, default_linear_mode(head, deterministic), portable)
+        self.lm_head = Linear(head, None, default_linear_mode(head, deterministic), layout)
         self.layers: list[LayerWeights] = []
         for i in range(c.num_hidden_layers):
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -265,7 +276,7 @@ class DecoderModel:
             return "fastest"
         dtype = str(self.config.dtype).removeprefix("torch.")
         weights = "int8" if self.quantization == "int8" else "invariant"
-        return f"{dtype}/{weights}/{'pairs' if head.pairs else 'columns'}"
+        return f"{dtype}/{weights}/{head.layout}"
 
     def forward(
         self,

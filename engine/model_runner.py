@@ -113,7 +113,7 @@ class ModelRunner:
             ckpt.weights,
             device,
             deterministic=self.deterministic,
-            portable=config.invariant_layout == "columns",
+            layout=config.invariant_layout,
             quantization=config.quantization,
         )
         # Zeros, not empty: decode reads padding slots (masked out, weight 0), and 0 * NaN from

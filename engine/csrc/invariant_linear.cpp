@@ -4,16 +4,22 @@
 // threads), never the reduction, so a token's output is the same bits alone or in a batch of 64.
 // BLAS/oneDNN GEMMs pick kernels and K splits by shape, so their bits depend on M (issue 16).
 //
-// The weight is packed once (pack_linear) into column panels read in k order, in one of two
-// layouts:
+// The weight is packed once (pack_linear) into column panels read in k order, in one of three
+// layouts, each its own bits (docs/design.md#numerics-classes):
+// * tiles (bf16, CPUs with AMX-BF16): the pairs panels below with K padded with zeros to whole
+//   32s; one tdpbf16ps per 16 rows x 16 columns x 32 k adds into an fp32 tile accumulator. AMX
+//   rounds its 32-k step its own way (not vdpbf16ps's bits), but each row of a tile is computed
+//   apart from the others -- the same bits whichever tile row it sits in and however many rows
+//   the tile holds (checked on a Sapphire-Rapids-class Xeon: tests/engine/test_determinism.py)
+//   -- so rows are padded to 16 and the order over K is fixed: batch-invariant.
 // * pairs (bf16, CPUs with AVX512-BF16): panels of 64 columns, K in pairs ([K/2][64][2]); one
 //   vdpbf16ps per 16 columns and k pair adds the pair's two products to the fp32 accumulator.
 // * columns (AVX2 FMA): panels of 16 columns ([K][16]); one FMA per k, x widened to fp32. bf16
 //   panels keep columns c and c+8 side by side, so one load widens to two fp32 vectors by a
 //   shift and a mask; fp32 panels (an fp32 model's) hold them in order.
 // x and the weight share a dtype (the model's).
-// A microkernel keeps MR rows x one panel of accumulators in registers over the whole K; the
-// result gets the bias in fp32 and is rounded once to the output dtype.
+// A microkernel keeps MR rows x one panel of accumulators in registers (or tiles) over the whole
+// K; the result gets the bias in fp32 and is rounded once to the output dtype.
 
 #include <torch/extension.h>
 
@@ -23,8 +29,14 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -34,6 +46,10 @@
 // Built for every x86-64 compiler that knows AVX512-BF16, run where the CPU has it.
 #define TANDEM_AVX512BF16 1
 #define TANDEM_TARGET_BF16 __attribute__((target("avx512f,avx512bf16")))
+#if defined(__linux__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+#define TANDEM_AMX 1
+#define TANDEM_TARGET_AMX __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16")))
+#endif
 #endif
 
 namespace {
@@ -42,6 +58,18 @@ constexpr int64_t kMR = 6;  // rows per microkernel: 6 x 4 zmm (or 6 x 2 ymm) ac
 
 constexpr int64_t kPanelPairs = 64;
 constexpr int64_t kPanelColumns = 16;
+constexpr int64_t kTileRows = 16;  // rows per AMX tile
+constexpr int64_t kTileK = 32;     // k per tdpbf16ps (16 pairs)
+
+enum class Layout { kColumns, kPairs, kTiles };
+
+Layout parse_layout(const std::string& name) {
+  if (name == "columns") return Layout::kColumns;
+  if (name == "pairs") return Layout::kPairs;
+  TORCH_CHECK(name == "tiles", "invariant_linear: unknown layout '", name,
+              "' (tiles, pairs or columns)");
+  return Layout::kTiles;
+}
 
 inline float widen(uint16_t bits) {
   const uint32_t w = static_cast<uint32_t>(bits) << 16;
@@ -74,15 +102,20 @@ inline void epilogue(const float* tile, const float* bias, int64_t cols, T* out)
   }
 }
 
-int64_t panel_width(bool pairs) { return pairs ? kPanelPairs : kPanelColumns; }
-// Rows of k per panel in the packed layout (K rounded up to whole pairs).
-int64_t packed_k(bool pairs, int64_t k) { return pairs ? (k + 1) / 2 * 2 : k; }
+int64_t panel_width(Layout layout) {
+  return layout == Layout::kColumns ? kPanelColumns : kPanelPairs;
+}
+// Rows of k per panel in the packed layout (K rounded up to whole pairs, or 32s for tiles).
+int64_t packed_k(Layout layout, int64_t k) {
+  if (layout == Layout::kTiles) return (k + kTileK - 1) / kTileK * kTileK;
+  return layout == Layout::kPairs ? (k + 1) / 2 * 2 : k;
+}
 
-// Where weight (n, k) lives in the packed buffer.
-int64_t packed_index(bool pairs, bool bf16, int64_t n, int64_t k, int64_t kp) {
-  const int64_t width = panel_width(pairs), p = n / width, c = n % width;
+// Where weight (n, k) lives in the packed buffer (tiles: the pairs panels, K padded further).
+int64_t packed_index(Layout layout, bool bf16, int64_t n, int64_t k, int64_t kp) {
+  const int64_t width = panel_width(layout), p = n / width, c = n % width;
   const int64_t base = p * kp * width;
-  if (pairs) return base + (k / 2) * width * 2 + c * 2 + k % 2;
+  if (layout != Layout::kColumns) return base + (k / 2) * width * 2 + c * 2 + k % 2;
   if (!bf16) return base + k * width + c;
   return base + k * width + (c < 8 ? 2 * c : 2 * (c - 8) + 1);
 }
@@ -93,6 +126,29 @@ bool cpu_has_bf16_pairs() {
 #else
   return false;
 #endif
+}
+
+// AMX-BF16 in the CPU, and the kernel's leave to use its tile state (Linux hands it out per
+// process on request, once).
+bool cpu_has_tiles() {
+#ifdef TANDEM_AMX
+  static const bool granted = [] {
+    if (!cpu_has_bf16_pairs() || !__builtin_cpu_supports("amx-tile") ||
+        !__builtin_cpu_supports("amx-bf16"))
+      return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // asm/prctl.h, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+bool layout_supported(Layout layout) {
+  if (layout == Layout::kTiles) return cpu_has_tiles();
+  if (layout == Layout::kPairs) return cpu_has_bf16_pairs();
+  return true;
 }
 
 // ---- microkernels: out[r][0, width) = sum_k x[r][k] * W[k][panel col], r < MR ---------------
@@ -119,6 +175,54 @@ TANDEM_TARGET_BF16 void kernel_bf16(const uint16_t* x, int64_t ldx, const uint16
   }
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) _mm512_storeu_ps(out + r * 64 + 16 * j, acc[r][j]);
+}
+#endif
+
+#ifdef TANDEM_AMX
+// The tile registers' shapes, as ldtilecfg reads them (palette 1).
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// tmm0-3: 16 rows x 64 fp32 columns (4 tiles of 16); tmm4: 16 rows of x, 32 k; tmm5-6: the
+// weight, 16 k pairs x 16 columns x 2.
+TANDEM_TARGET_AMX void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+TANDEM_TARGET_AMX void release_tiles() { _tile_release(); }
+
+// out[16][64] = x[16 rows, kp] W^T for one 64-column panel (pairs layout, kp a multiple of 32).
+TANDEM_TARGET_AMX void kernel_tiles(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kp,
+                                    float* out) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t x_stride = ldx * 2, w_stride = kPanelPairs * 2 * 2;
+  for (int64_t k0 = 0; k0 < kp; k0 += kTileK) {
+    const uint16_t* wk = w + k0 / 2 * kPanelPairs * 2;
+    _tile_loadd(4, x + k0, x_stride);
+    _tile_loadd(5, wk, w_stride);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, wk + 32, w_stride);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(5, wk + 64, w_stride);
+    _tile_dpbf16ps(2, 4, 5);
+    _tile_loadd(6, wk + 96, w_stride);
+    _tile_dpbf16ps(3, 4, 6);
+  }
+  _tile_stored(0, out, kPanelPairs * 4);
+  _tile_stored(1, out + 16, kPanelPairs * 4);
+  _tile_stored(2, out + 32, kPanelPairs * 4);
+  _tile_stored(3, out + 48, kPanelPairs * 4);
 }
 #endif
 
@@ -192,21 +296,35 @@ void run_rows(int64_t rows, bool pairs, bool bf16_weight, const void* x, int64_t
   }
 }
 
+void check_layout(Layout layout, bool bf16, const char* who) {
+  TORCH_CHECK(layout == Layout::kColumns || bf16, who, ": the ",
+              layout == Layout::kTiles ? "tiles" : "pairs", " layout needs bf16");
+  TORCH_CHECK(layout_supported(layout), who, ": the ",
+              layout == Layout::kTiles ? "tiles layout needs an AMX-BF16 CPU"
+                                       : "pairs layout needs an AVX512-BF16 CPU");
+}
+
 }  // namespace
 
-// Whether this CPU runs the pairs layout (AVX512-BF16).
-bool bf16_pairs_supported() { return cpu_has_bf16_pairs(); }
+// The layouts this CPU runs, fastest first (columns everywhere).
+std::vector<std::string> invariant_layouts() {
+  std::vector<std::string> out;
+  if (cpu_has_tiles()) out.emplace_back("tiles");
+  if (cpu_has_bf16_pairs()) out.emplace_back("pairs");
+  out.emplace_back("columns");
+  return out;
+}
 
-// weight [N, K] (float32 or bfloat16) -> its packed panels, 1-D, same dtype; `pairs` (bf16 only,
-// where bf16_pairs_supported) picks the pairs layout, else the columns layout.
-torch::Tensor pack_linear(torch::Tensor weight, bool pairs) {
+// weight [N, K] (float32 or bfloat16) -> its packed panels, 1-D, same dtype, in `layout` (one of
+// invariant_layouts(); tiles and pairs bf16 only).
+torch::Tensor pack_linear(torch::Tensor weight, const std::string& layout_name) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu(), "pack_linear: CPU weight [N, K]");
   const bool bf16 = weight.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || weight.scalar_type() == at::kFloat, "pack_linear: float32 or bfloat16");
-  TORCH_CHECK(!pairs || (bf16 && cpu_has_bf16_pairs()),
-              "pack_linear: the pairs layout needs bf16 weights and an AVX512-BF16 CPU");
-  const int64_t n = weight.size(0), k = weight.size(1), kp = packed_k(pairs, k);
-  const int64_t width = panel_width(pairs), panels = (n + width - 1) / width;
+  const Layout layout = parse_layout(layout_name);
+  check_layout(layout, bf16, "pack_linear");
+  const int64_t n = weight.size(0), k = weight.size(1), kp = packed_k(layout, k);
+  const int64_t width = panel_width(layout), panels = (n + width - 1) / width;
   const torch::Tensor wc = weight.contiguous();
   torch::Tensor packed = torch::zeros({panels * kp * width}, weight.options());
   const int64_t elem = static_cast<int64_t>(weight.element_size());
@@ -215,31 +333,35 @@ torch::Tensor pack_linear(torch::Tensor weight, bool pairs) {
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row)
       for (int64_t col = 0; col < k; ++col)
-        std::memcpy(dst + packed_index(pairs, bf16, row, col, kp) * elem,
+        std::memcpy(dst + packed_index(layout, bf16, row, col, kp) * elem,
                     src + (row * k + col) * elem, elem);
   });
   return packed;
 }
 
-// x [M, K] (bf16 or fp32), panels from pack_linear(weight [n, K], pairs) of x's dtype, optional
+// x [M, K] (bf16 or fp32), panels from pack_linear(weight [n, K], layout) of x's dtype, optional
 // bias [n] -> y [M, n] in x's dtype.
 torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
-                               c10::optional<torch::Tensor> bias, bool pairs) {
+                               c10::optional<torch::Tensor> bias, const std::string& layout_name) {
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "invariant_linear: CPU x [M, K]");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "invariant_linear: float32 or bfloat16 x");
   TORCH_CHECK(packed.scalar_type() == x.scalar_type(),
               "invariant_linear: x and the packed weight must share a dtype");
-  TORCH_CHECK(!pairs || (bf16 && cpu_has_bf16_pairs()),
-              "invariant_linear: the pairs layout needs bf16 x and weight on an AVX512-BF16 CPU");
-  const int64_t m = x.size(0), k = x.size(1), kp = packed_k(pairs, k);
-  const int64_t width = panel_width(pairs), panels = (n + width - 1) / width;
+  const Layout layout = parse_layout(layout_name);
+  check_layout(layout, bf16, "invariant_linear");
+  const bool tiles = layout == Layout::kTiles, pairs = layout == Layout::kPairs;
+  const int64_t m = x.size(0), k = x.size(1), kp = packed_k(layout, k);
+  const int64_t width = panel_width(layout), panels = (n + width - 1) / width;
   TORCH_CHECK(packed.numel() == panels * kp * width, "invariant_linear: packed size mismatch");
   torch::Tensor xc = x.contiguous();
-  // The x each microkernel reads: bf16 padded to whole pairs, or fp32.
+  // The x each microkernel reads: bf16 padded to whole pairs (tiles: to 32 k and 16 rows, zeros
+  // whose products add +0), or fp32.
+  const int64_t rows_step = tiles ? kTileRows : kMR;
+  const int64_t mp = tiles ? (m + kTileRows - 1) / kTileRows * kTileRows : m;
   torch::Tensor xs;
-  if (pairs) {
-    xs = kp == k ? xc : torch::constant_pad_nd(xc, {0, kp - k});
+  if (tiles || pairs) {
+    xs = kp == k && mp == m ? xc : torch::constant_pad_nd(xc, {0, kp - k, 0, mp - m});
   } else {
     xs = xc.to(at::kFloat);
   }
@@ -258,18 +380,29 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   // Rows in blocks whose x stays in L2 (~256 KB) while the thread's panels pass over it.
-  const int64_t block_rows = std::max<int64_t>(kMR, (1 << 18) / (kp * elem) / kMR * kMR);
+  const int64_t block_rows =
+      std::max<int64_t>(rows_step, (1 << 18) / (kp * elem) / rows_step * rows_step);
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(kMR * width);
+    std::vector<float> tile(rows_step * width);
+#ifdef TANDEM_AMX
+    if (tiles) configure_tiles();
+#endif
     for (int64_t b0 = 0; b0 < m; b0 += block_rows) {
       const int64_t b1 = std::min(m, b0 + block_rows);
       for (int64_t p = begin; p < end; ++p) {
         const int64_t n0 = p * width, cols = std::min(width, n - n0);
         const float* bias_cols = bp != nullptr ? bp + n0 : nullptr;
-        for (int64_t r0 = b0; r0 < b1; r0 += kMR) {
-          const int64_t rows = std::min(kMR, b1 - r0);
-          run_rows(rows, pairs, bf16, xp + r0 * kp * elem, kp, wp + p * panel_bytes, kp,
-                   tile.data());
+        for (int64_t r0 = b0; r0 < b1; r0 += rows_step) {
+          const int64_t rows = std::min(rows_step, b1 - r0);
+          const char* xr = xp + r0 * kp * elem;
+          const char* wr = wp + p * panel_bytes;
+#ifdef TANDEM_AMX
+          if (tiles) {
+            kernel_tiles(reinterpret_cast<const uint16_t*>(xr), kp,
+                         reinterpret_cast<const uint16_t*>(wr), kp, tile.data());
+          } else
+#endif
+            run_rows(rows, pairs, bf16, xr, kp, wr, kp, tile.data());
           for (int64_t r = 0; r < rows; ++r) {
             const float* t = tile.data() + r * width;
             if (bf16) {
@@ -281,6 +414,9 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
         }
       }
     }
+#ifdef TANDEM_AMX
+    if (tiles) release_tiles();
+#endif
   });
   return y;
 }

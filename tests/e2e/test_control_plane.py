@@ -178,7 +178,7 @@ def test_health_and_the_router_view_at_full_capacity(
     assert view["admission_queue"] == {"waiting": 0, "most_waiting": 0}
     assert view["workers"][0]["cached_blocks"] > 0  # the reference prompts' blocks
     # Every worker computes the same bits (one class: docs/design.md#numerics-classes).
-    layout = "pairs" if kernels.bf16_pairs_supported() else "columns"
+    layout = kernels.invariant_layouts()[0]
     assert {w["numerics"] for w in view["workers"]} == {f"bfloat16/invariant/{layout}"}
     out = subprocess.run(
         [sys.executable, "-m", "tandem.cli", "status", "--url", server],

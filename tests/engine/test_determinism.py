@@ -48,7 +48,7 @@ def threads(n: int) -> Iterator[None]:
 # -- the GEMM ------------------------------------------------------------------------------------
 
 
-LAYOUTS = [False] + ([True] if kernels.bf16_pairs_supported() else [])
+LAYOUTS = kernels.invariant_layouts()
 
 
 @settings(max_examples=40, deadline=None)
@@ -57,44 +57,71 @@ LAYOUTS = [False] + ([True] if kernels.bf16_pairs_supported() else [])
     n=st.integers(1, 200),
     k=st.sampled_from([16, 17, 64, 100, 576]),
     dtype=st.sampled_from([torch.bfloat16, torch.float32]),
-    pairs=st.sampled_from(LAYOUTS),
+    layout=st.sampled_from(LAYOUTS),
     bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
 def test_invariant_linear_rows_do_not_depend_on_the_batch(
-    m: int, n: int, k: int, dtype: torch.dtype, pairs: bool, bias: bool, seed: int
+    m: int, n: int, k: int, dtype: torch.dtype, layout: str, bias: bool, seed: int
 ) -> None:
     """Row i of x W^T is the same bits computed alone, at any offset of any batch, at 1 or 2
-    threads -- and close to the fp64 product (it is a GEMM). Both layouts (AVX512-BF16 pairs
-    where this CPU has them, AVX2 columns)."""
-    pairs = pairs and dtype == torch.bfloat16
+    threads -- and close to the fp64 product (it is a GEMM). Every layout this CPU runs (AMX
+    tiles, AVX512-BF16 pairs, AVX2 columns): tiles pad rows to 16 and k to 32, so m and k
+    cross those bounds."""
+    layout = layout if dtype == torch.bfloat16 else "columns"
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g).to(dtype)
     b = torch.randn(n, generator=g).to(dtype) if bias else None
     x = torch.randn(m, k, generator=g).to(dtype)
-    packed = kernels.pack_linear(w, pairs)
-    full = kernels.invariant_linear(x, packed, n, b, pairs)
+    packed = kernels.pack_linear(w, layout)
+    full = kernels.invariant_linear(x, packed, n, b, layout)
     ref = x.double() @ w.double().T + (0 if b is None else b.double())
     tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(full.double(), ref, rtol=tol, atol=tol * k**0.5)
     i = seed % m
     with threads(1):
-        alone = kernels.invariant_linear(x[i : i + 1], packed, n, b, pairs)
+        alone = kernels.invariant_linear(x[i : i + 1], packed, n, b, layout)
     assert torch.equal(alone[0], full[i])
     j = (seed // 7) % m
     lo, hi = min(i, j), max(i, j) + 1
-    assert torch.equal(kernels.invariant_linear(x[lo:hi], packed, n, b, pairs), full[lo:hi])
+    assert torch.equal(kernels.invariant_linear(x[lo:hi], packed, n, b, layout), full[lo:hi])
 
 
-def test_the_pairs_layout_is_refused_where_it_cannot_run() -> None:
-    with pytest.raises(RuntimeError, match="pairs layout needs bf16"):
-        kernels.pack_linear(torch.zeros(4, 4), True)
+@pytest.mark.parametrize("layout", ["tiles", "pairs"])
+def test_the_bf16_layouts_refuse_fp32(layout: str) -> None:
+    with pytest.raises(RuntimeError, match=f"the {layout} layout needs bf16"):
+        kernels.pack_linear(torch.zeros(4, 4), layout)
+
+
+def test_an_unknown_layout_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="unknown layout 'amx'"):
+        kernels.pack_linear(torch.zeros(4, 4), "amx")
 
 
 def test_x_and_the_weight_of_two_dtypes_are_refused() -> None:
-    packed = kernels.pack_linear(torch.zeros(4, 16), False)
+    packed = kernels.pack_linear(torch.zeros(4, 16), "columns")
     with pytest.raises(RuntimeError, match="share a dtype"):
-        kernels.invariant_linear(torch.zeros(2, 16, dtype=torch.bfloat16), packed, 4, None, False)
+        kernels.invariant_linear(
+            torch.zeros(2, 16, dtype=torch.bfloat16), packed, 4, None, "columns"
+        )
+
+
+@pytest.mark.skipif("tiles" not in LAYOUTS, reason="needs an AMX-BF16 CPU")
+def test_tile_rows_are_the_same_bits_wherever_the_row_sits() -> None:
+    """What the tiles layout rests on: a row's AMX result is the same bits in any of a tile's
+    16 rows, in a partial last tile, and next to any other rows -- every row of a 37-row batch
+    against the same row computed alone (padded with 15 zero rows) and inside 16 random rows."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(96, 128, generator=g).bfloat16()
+    x = torch.randn(37, 128, generator=g).bfloat16()
+    packed = kernels.pack_linear(w, "tiles")
+    full = kernels.invariant_linear(x, packed, 96, None, "tiles")
+    for i in range(37):
+        alone = kernels.invariant_linear(x[i : i + 1], packed, 96, None, "tiles")
+        others = torch.randn(16, 128, generator=g).bfloat16()
+        others[i % 16] = x[i]
+        mixed = kernels.invariant_linear(others, packed, 96, None, "tiles")
+        assert torch.equal(alone[0], full[i]) and torch.equal(mixed[i % 16], full[i])
 
 
 # -- the model runner: KV and logits, whatever wrote them -----------------------------------------

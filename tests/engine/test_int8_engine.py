@@ -61,7 +61,7 @@ def test_int8_weights_are_their_own_numerics_class(bf16_llama: Path) -> None:
     plain = LLMEngine.from_checkpoint(
         bf16_llama, EngineConfig(dtype="bfloat16", kv_cache_bytes=2**22)
     )
-    layout = "pairs" if kernels.bf16_pairs_supported() else "columns"
+    layout = kernels.invariant_layouts()[0]
     assert quantized.numerics == f"bfloat16/int8/{layout}"
     assert plain.runner.model.numerics == f"bfloat16/invariant/{layout}"
     assert quantized.layers[0].qkv.mode == "int8" and quantized.lm_head.mode == "invariant"

@@ -206,7 +206,7 @@ def test_int8_and_bf16_caches_do_not_exchange_blocks(bf16_llama: Path) -> None:
     assert small.kv_layout.payload_shape(3)[-1] == plain.kv_layout.head_dim + 4
     with pytest.raises(LayoutMismatch, match="dtype: 'int8' here, 'bfloat16' peer"):
         small.kv_layout.check_compatible(plain.kv_layout)
-    layout = "pairs" if kernels.bf16_pairs_supported() else "columns"
+    layout = kernels.invariant_layouts()[0]
     assert small.numerics == f"bfloat16/invariant/{layout}/kv-int8"
     assert plain.numerics == f"bfloat16/invariant/{layout}"
 

@@ -55,11 +55,23 @@ def checkpoint_digest(path: Path) -> str:
 
 
 def test_the_class_names_the_dtype_and_the_layout_that_decide_the_bits(bf16_llama: Path) -> None:
-    fast = "pairs" if kernels.bf16_pairs_supported() else "columns"
-    assert engine(bf16_llama, "auto").runner.model.numerics == f"bfloat16/invariant/{fast}"
-    assert engine(bf16_llama, "columns").runner.model.numerics == "bfloat16/invariant/columns"
+    here = kernels.invariant_layouts()  # fastest first: tiles (AMX), pairs, columns
+    assert engine(bf16_llama, "auto").runner.model.numerics == f"bfloat16/invariant/{here[0]}"
+    for layout in here:
+        assert engine(bf16_llama, layout).runner.model.numerics == f"bfloat16/invariant/{layout}"
     loose = EngineConfig(dtype="bfloat16", kv_cache_bytes=4 * 2**20, deterministic=False)
     assert LLMEngine.from_checkpoint(bf16_llama, loose).runner.model.numerics == "fastest"
+
+
+def test_a_layout_this_cpu_lacks_is_refused_at_start(
+    bf16_llama: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As on an AVX2-only CPU asked for AMX tiles: a named error listing what does run."""
+    monkeypatch.setattr(kernels, "invariant_layouts", lambda: ["columns"])
+    with pytest.raises(
+        ValueError, match="invariant_layout 'tiles' does not run on this CPU; it runs columns"
+    ):
+        engine(bf16_llama, "tiles")
 
 
 def test_the_portable_layout_gives_the_recorded_bits_on_this_cpu(bf16_llama: Path) -> None:

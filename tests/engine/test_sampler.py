@@ -184,6 +184,37 @@ def test_repetition_penalty_is_sign_aware_over_prompt_and_output() -> None:
     assert processed([2.0, -2.0, 1.0, -1.0, 0.5], st) == [1.0, -4.0, 1.0, -2.0, 0.5]
 
 
+@pytest.mark.parametrize("r", [5e-324, 3e38])
+def test_an_extreme_repetition_penalty_keeps_logits_finite_and_masked_tokens_masked(
+    r: float,
+) -> None:
+    """Any r > 0 is valid: z/r and z*r saturate at float32's range instead of reaching +-inf
+    (an infinite logit made the softmax NaN, and top_p's candidates empty: a failed step)."""
+    most = torch.finfo(torch.float32).max
+    st = state(SamplingParams(repetition_penalty=r, allowed_token_ids=(0, 1, 3, 4)), [0, 1, 2], [3])
+    z = processed([2.0, -2.0, 1.0, 0.5, 0.25], st)
+    assert z[2] == -math.inf and z[4] == 0.25  # masked stays masked; unseen untouched
+    if r < 1.0:  # seen positive logits saturate at the top (a tie), negative ones reach -0
+        assert (z[0], z[1], z[3]) == (most, 0.0, most)
+    else:  # seen negative logits saturate at the bottom, positive ones shrink
+        assert z[1] == -most and 0.0 < z[3] < z[0] < 1e-37
+
+
+def test_saturated_logits_tie_and_top_p_keeps_the_smaller_id() -> None:
+    """The request schemathesis found (repetition_penalty=5e-324, top_p=5e-324): tokens 0, 3
+    saturate to a tie with token 2 (every seen positive logit), sampling draws from exactly those
+    three, and top_p keeps token 0 alone."""
+    logits = t([[2.0, -2.0, 1.0, 0.5, 0.25]])
+    drawn = set()
+    for seed in range(24):
+        for top_p, want in ((5e-324, {0}), (1.0, {0, 2, 3})):
+            params = SamplingParams(repetition_penalty=5e-324, top_p=top_p, seed=seed)
+            [token] = Sampler(5)(logits, [state(params, [0, 1, 2], [3])]).token_ids
+            assert token in want
+            drawn.add(token)
+    assert drawn == {0, 2, 3}
+
+
 def test_frequency_and_presence_count_output_only() -> None:
     params = SamplingParams(frequency_penalty=0.5, presence_penalty=0.25)
     st = state(params, prompt=[0, 0, 3], output=[1, 1, 2, 1])
