@@ -174,7 +174,7 @@ def row_sum(x: Tensor) -> Tensor | None:
 
 
 # The int8 GEMM's ways through one packed weight (engine/csrc/int8_linear.cpp), fastest first.
-INT8_PATHS = ("vnni512", "avx2", "scalar")
+INT8_PATHS = ("amx", "vnni512", "avx2", "scalar")
 
 
 def _int8() -> ModuleType:

@@ -10,7 +10,11 @@
 // (docs/design.md#quantization).
 //
 // The quantized weight is packed into panels of 64 columns, K in quads: [K/4][64][4] int8, so one
-// 64-byte load holds 16 columns x 4 k. Three ways through the same panels for the int32 dots:
+// 64-byte load holds 16 columns x 4 k. Four ways through the same panels for the int32 dots:
+// * amx (AMX-INT8): one tdpbssd per 16 rows x 16 columns x one group (64 k: the panel's 16 quads
+//   are a B tile as they lie), signed x signed, no offset; rows padded to 16 with zeros. Where K
+//   is not whole groups the tile would read past a row, and vnni512 serves instead (the same
+//   bits: every path's dots are exact).
 // * vnni512 (AVX512-VNNI): vpdpbusd multiplies unsigned x bytes by signed weight bytes and adds
 //   each quad to an int32 lane. x is stored offset by 128 (0..254) and each group's 128 * sum_k
 //   q_w is taken off again (pack_int8 keeps those sums).
@@ -35,6 +39,12 @@
 #define TANDEM_X86 1
 #define TANDEM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define TANDEM_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#if defined(__linux__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
+#include <sys/syscall.h>
+#include <unistd.h>
+#define TANDEM_AMX 1
+#define TANDEM_TARGET_AMX __attribute__((target("amx-tile,amx-int8")))
+#endif
 #endif
 
 namespace {
@@ -44,9 +54,26 @@ constexpr int64_t kMR = 4;      // rows per microkernel (vnni512: 4 x 4 zmm accu
 constexpr int64_t kGroup = 64;  // k per activation scale (16 quads)
 constexpr int64_t kGroupQuads = kGroup / 4;
 
-enum class Path { kScalar, kAvx2, kVnni512 };
+constexpr int64_t kTileRows = 16;  // rows per AMX tile
+
+enum class Path { kScalar, kAvx2, kVnni512, kAmx };
+
+// AMX-INT8 in the CPU, and this process's leave to use its tile state (asked of Linux once).
+bool cpu_has_amx() {
+#ifdef TANDEM_AMX
+  static const bool granted = [] {
+    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // asm/prctl.h, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
 
 bool cpu_has(Path path) {
+  if (path == Path::kAmx) return cpu_has_amx() && cpu_has(Path::kVnni512);
 #ifdef TANDEM_X86
   if (path == Path::kVnni512)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -58,12 +85,14 @@ bool cpu_has(Path path) {
 
 Path parse_path(const std::string& name) {
   if (name == "auto") {
+    if (cpu_has(Path::kAmx)) return Path::kAmx;
     if (cpu_has(Path::kVnni512)) return Path::kVnni512;
     if (cpu_has(Path::kAvx2)) return Path::kAvx2;
     return Path::kScalar;
   }
-  const Path path = name == "vnni512" ? Path::kVnni512
-                    : name == "avx2"  ? Path::kAvx2
+  const Path path = name == "amx"       ? Path::kAmx
+                    : name == "vnni512" ? Path::kVnni512
+                    : name == "avx2"    ? Path::kAvx2
                     : name == "scalar" ? Path::kScalar
                                        : throw std::invalid_argument("int8_linear: unknown path " + name);
   TORCH_CHECK(cpu_has(path), "int8_linear: this CPU cannot run the ", name, " path");
@@ -180,6 +209,49 @@ TANDEM_TARGET_AVX2 void kernel_avx2(const int8_t* xq, const int8_t* w, int64_t k
 }
 #endif
 
+#ifdef TANDEM_AMX
+// The tile registers' shapes, as ldtilecfg reads them (palette 1): tmm0-3 16 rows x 16 int32
+// dots, tmm4 16 rows of x (one group), tmm5-6 the group's 16 quads x 16 columns x 4.
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+TANDEM_TARGET_AMX void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 7; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+TANDEM_TARGET_AMX void release_tiles() { _tile_release(); }
+
+// dots[16][64] = one group's int32 dots of 16 x rows (ldx bytes apart) with a panel's group w.
+TANDEM_TARGET_AMX void kernel_amx(const int8_t* xq, int64_t ldx, const int8_t* w, int32_t* dots) {
+  constexpr int64_t stride = kWidth * 4, out = kWidth * 4;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, xq, ldx);
+  _tile_loadd(5, w, stride);
+  _tile_dpbssd(0, 4, 5);
+  _tile_loadd(6, w + 64, stride);
+  _tile_dpbssd(1, 4, 6);
+  _tile_loadd(5, w + 128, stride);
+  _tile_dpbssd(2, 4, 5);
+  _tile_loadd(6, w + 192, stride);
+  _tile_dpbssd(3, 4, 6);
+  _tile_stored(0, dots, out);
+  _tile_stored(1, dots + 16, out);
+  _tile_stored(2, dots + 32, out);
+  _tile_stored(3, dots + 48, out);
+}
+#endif
+
 void run_rows(Path path, int rows, const void* xq, int64_t ldx, const int8_t* w, int64_t kq,
               int32_t* acc) {
 #ifdef TANDEM_X86
@@ -206,10 +278,12 @@ void run_rows(Path path, int rows, const void* xq, int64_t ldx, const int8_t* w,
 // Whether this CPU runs ``path`` ("vnni512", "avx2", "scalar"); "auto" names the one chosen.
 std::string int8_path(const std::string& name) {
   const Path path = parse_path(name);
+  if (path == Path::kAmx) return "amx";
   return path == Path::kVnni512 ? "vnni512" : path == Path::kAvx2 ? "avx2" : "scalar";
 }
 
 bool int8_path_supported(const std::string& name) {
+  if (name == "amx") return cpu_has(Path::kAmx);
   if (name == "vnni512") return cpu_has(Path::kVnni512);
   if (name == "avx2") return cpu_has(Path::kAvx2);
   return name == "scalar" || name == "auto";
@@ -248,8 +322,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   TORCH_CHECK(x.dim() == 2 && x.device().is_cpu(), "int8_linear: CPU x [M, K]");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == at::kFloat, "int8_linear: float32 or bfloat16 x");
-  const Path path = parse_path(path_name);
+  Path path = parse_path(path_name);
   const int64_t m = x.size(0), k = x.size(1), kq = quads(k), ng = groups(k);
+  if (path == Path::kAmx && k % kGroup != 0) path = Path::kVnni512;  // see the header
+  const bool tiles = path == Path::kAmx;
   const int64_t panels = (n + kWidth - 1) / kWidth;
   TORCH_CHECK(packed.numel() == panels * kq * kWidth * 4, "int8_linear: packed size mismatch");
   TORCH_CHECK(comp.numel() == ng * n && w_scale.numel() == n,
@@ -270,7 +346,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   // amax)). Plain IEEE operations, element by element: the same bits on every CPU.
   const int64_t ldx = kq * 4;
   const bool offset = path == Path::kVnni512;
-  std::vector<int8_t> xq(m * ldx, 0);
+  // amx reads whole tiles of 16 rows: the rows past m are zeros (their dots are never used).
+  const int64_t mp = tiles ? (m + kTileRows - 1) / kTileRows * kTileRows : m;
+  std::vector<int8_t> xq(mp * ldx, 0);
   std::vector<float> x_scale(m * ng);
   const float* xp = xf.data_ptr<float>();
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
@@ -299,20 +377,29 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   const int32_t* cp = cc.data_ptr<int32_t>();
   uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
+  const int64_t rows_step = tiles ? kTileRows : kMR;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> dots(kMR * kWidth);
+    std::vector<int32_t> dots(rows_step * kWidth);
     std::vector<int32_t> comp_cols(kWidth);
-    std::vector<float> acc(kMR * kWidth);
+    std::vector<float> acc(rows_step * kWidth);
+#ifdef TANDEM_AMX
+    if (tiles) configure_tiles();
+#endif
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kWidth, cols = std::min(kWidth, n - n0);
       const int8_t* panel = wp + p * kq * kWidth * 4;
-      for (int64_t r0 = 0; r0 < m; r0 += kMR) {
-        const int rows = static_cast<int>(std::min(kMR, m - r0));
+      for (int64_t r0 = 0; r0 < m; r0 += rows_step) {
+        const int rows = static_cast<int>(std::min(rows_step, m - r0));
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t g = 0; g < ng; ++g) {
           const int64_t q0 = g * kGroupQuads, nq = std::min(kq, q0 + kGroupQuads) - q0;
-          run_rows(path, rows, xq.data() + r0 * ldx + 4 * q0, ldx, panel + q0 * kWidth * 4, nq,
-                   dots.data());
+          const int8_t* xg = xq.data() + r0 * ldx + 4 * q0;
+#ifdef TANDEM_AMX
+          if (tiles) {
+            kernel_amx(xg, ldx, panel + q0 * kWidth * 4, dots.data());
+          } else
+#endif
+            run_rows(path, rows, xg, ldx, panel + q0 * kWidth * 4, nq, dots.data());
           const int32_t* comp_g = nullptr;
           if (offset) {
             std::fill(comp_cols.begin(), comp_cols.end(), 0);
@@ -330,6 +417,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
         }
       }
     }
+#ifdef TANDEM_AMX
+    if (tiles) release_tiles();
+#endif
   });
   return y;
 }

@@ -51,7 +51,8 @@ def case(m: int, k: int, n: int, dtype: torch.dtype, seed: int) -> tuple[torch.T
 @pytest.mark.parametrize("path", kernels.INT8_PATHS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(
-    ("m", "k", "n"), [(1, 64, 64), (3, 70, 130), (13, 576, 200), (6, 1536, 64)]
+    ("m", "k", "n"),
+    [(1, 64, 64), (3, 70, 130), (13, 576, 200), (6, 1536, 64), (37, 128, 130)],  # amx: 16-row tiles
 )
 def test_each_path_gives_the_formulas_bits(
     path: str, dtype: torch.dtype, m: int, k: int, n: int
