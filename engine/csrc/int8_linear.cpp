@@ -39,6 +39,7 @@
 #define TANDEM_X86 1
 #define TANDEM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define TANDEM_TARGET_AVX2 __attribute__((target("avx2,fma")))
+#define TANDEM_TARGET_AVX512 __attribute__((target("avx512f")))
 #if defined(__linux__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -139,6 +140,43 @@ __attribute__((optimize("fp-contract=off"))) void epilogue(
       out_f32[c] = v;
     }
   }
+}
+
+// One group of 64 x values quantized into q as the scalar loop in int8_linear does it, bit for
+// bit, 16 at a time; returns the group's amax. amax is a max (order-free; a NaN ignored, as
+// std::max(amax, NaN) keeps amax: maxps returns its second operand on a NaN), x * inv rounded
+// to nearest even (roundscale = nearbyint), clamped (a NaN -> -127, as std::max(-127, NaN)),
+// then narrowed; offset: + 128, read as unsigned (vnni512).
+#ifdef TANDEM_X86
+TANDEM_TARGET_AVX512 float quantize_group64(const float* x, int8_t* q, bool offset) {
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 v[4];
+  __m512 amax = _mm512_setzero_ps();
+  for (int j = 0; j < 4; ++j) {
+    v[j] = _mm512_loadu_ps(x + 16 * j);
+    amax = _mm512_max_ps(_mm512_and_ps(v[j], abs_mask), amax);
+  }
+  const float a = _mm512_reduce_max_ps(amax);
+  const __m512 inv = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  for (int j = 0; j < 4; ++j) {
+    __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(v[j], inv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+    __m512i i = _mm512_cvtps_epi32(t);
+    if (offset) i = _mm512_add_epi32(i, _mm512_set1_epi32(128));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16 * j), _mm512_cvtepi32_epi8(i));
+  }
+  return a;
+}
+#endif
+
+bool cpu_has_avx512f() {
+#ifdef TANDEM_X86
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
 }
 
 // ---- microkernels: acc[r][0, 64) = sum over kq quads of q_x[r][k] * q_w[k][panel col] ---------
@@ -351,12 +389,19 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   std::vector<int8_t> xq(mp * ldx, 0);
   std::vector<float> x_scale(m * ng);
   const float* xp = xf.data_ptr<float>();
+  const bool vector = cpu_has_avx512f();
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * k;
       int8_t* q = xq.data() + r * ldx;
       for (int64_t g = 0; g < ng; ++g) {
         const int64_t k0 = g * kGroup, k1 = std::min(k, k0 + kGroup);
+#ifdef TANDEM_X86
+        if (vector && k1 - k0 == kGroup) {
+          x_scale[r * ng + g] = quantize_group64(row + k0, q + k0, offset) / 127.0f;
+          continue;
+        }
+#endif
         float amax = 0.0f;
         for (int64_t c = k0; c < k1; ++c) amax = std::max(amax, std::fabs(row[c]));
         x_scale[r * ng + g] = amax / 127.0f;

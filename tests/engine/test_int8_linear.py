@@ -69,6 +69,29 @@ def test_each_path_gives_the_formulas_bits(
         assert torch.equal(got, reference(x, q_w, s_w, b)), path
 
 
+@pytest.mark.parametrize("path", kernels.INT8_PATHS)
+def test_activations_quantize_ties_bounds_and_tiny_values_as_the_formula(path: str) -> None:
+    """The activations' quantizer (vectorized on AVX-512, whole groups) on what random values
+    rarely hit: x * 127 / amax exactly halfway (1.5 -> 2, 2.5 -> 2, -0.5 -> -0: half to even),
+    the group's own +-amax (+-127), -0, a subnormal group (127 / amax overflows to inf) and a
+    zero group -- each row's output the formula's bits."""
+    if path not in kernels.int8_paths():
+        pytest.skip(f"this CPU does not run the {path} path")
+    k = 4 * GROUP
+    x = torch.zeros(3, k)
+    halves = torch.arange(-63.5, 61.0, 1.0)  # 125 values; with amax 127 each is a tie
+    x[0, :GROUP] = torch.cat((halves[: GROUP - 1], torch.tensor([127.0])))
+    x[0, GROUP : 2 * GROUP] = torch.cat((halves[GROUP - 1 :], torch.tensor([-127.0, -0.0])))
+    x[1, :GROUP] = torch.linspace(-1, 1, GROUP) * 1e-40  # subnormal
+    x[1, GROUP : 2 * GROUP] = torch.linspace(-3, 5, GROUP)
+    x[2, 2 * GROUP :] = torch.randn(2 * GROUP, generator=torch.Generator().manual_seed(5))
+    w = torch.randn(96, k, generator=torch.Generator().manual_seed(6))
+    q_w, s_w = quantize_rows(w)
+    packed, sums = kernels.pack_int8(q_w)
+    got = kernels.int8_linear(x, packed, sums, s_w, 96, None, path)
+    assert torch.equal(got, reference(x, q_w, s_w, None))
+
+
 def test_a_rows_bits_do_not_depend_on_its_batch_or_the_thread_count() -> None:
     x, q_w, s_w, bias = case(37, 576, 1536, torch.bfloat16, seed=7)
     packed, sums = kernels.pack_int8(q_w)
