@@ -48,6 +48,12 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "row_sum": ("row_sum",),
     "int8_linear": ("int8_linear", "pack_int8", "int8_path", "int8_path_supported"),
 }
+# Shared sources (csrc/<header>) put ahead of a kernel's own text, so that editing one rebuilds
+# every kernel that uses it (load_inline keys its build on the source text).
+KERNEL_HEADERS: dict[str, tuple[str, ...]] = {
+    "invariant_linear": ("amx.h",),
+    "int8_linear": ("amx.h",),
+}
 # Most rows skinny_linear takes (its kMaxRows); past it the GEMM is compute-bound.
 SKINNY_MAX_ROWS = 16
 DISABLE_ENV = "TANDEM_NATIVE_KERNELS"
@@ -68,7 +74,10 @@ def load(name: str) -> ModuleType | None:
         return load_inline(
             name=f"tandem_{name}",
             build_directory=str(build_dir(name)),
-            cpp_sources=[(_CSRC / f"{name}.cpp").read_text()],
+            cpp_sources=[
+                *((_CSRC / header).read_text() for header in KERNEL_HEADERS.get(name, ())),
+                (_CSRC / f"{name}.cpp").read_text(),
+            ],
             functions=list(KERNELS[name]),
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],

@@ -40,12 +40,9 @@
 #define TANDEM_TARGET_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 #define TANDEM_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #define TANDEM_TARGET_AVX512 __attribute__((target("avx512f")))
-#if defined(__linux__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
-#include <sys/syscall.h>
-#include <unistd.h>
-#define TANDEM_AMX 1
-#define TANDEM_TARGET_AMX __attribute__((target("amx-tile,amx-int8")))
 #endif
+#ifdef TANDEM_AMX  // engine/csrc/amx.h
+#define TANDEM_TARGET_AMX __attribute__((target("amx-tile,amx-int8")))
 #endif
 
 namespace {
@@ -59,15 +56,11 @@ constexpr int64_t kTileRows = 16;  // rows per AMX tile
 
 enum class Path { kScalar, kAvx2, kVnni512, kAmx };
 
-// AMX-INT8 in the CPU, and this process's leave to use its tile state (asked of Linux once).
+// AMX-INT8 in the CPU, and this process's leave to use the tiles.
 bool cpu_has_amx() {
 #ifdef TANDEM_AMX
-  static const bool granted = [] {
-    if (!__builtin_cpu_supports("amx-tile") || !__builtin_cpu_supports("amx-int8")) return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // asm/prctl.h, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return granted;
+  return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-int8") &&
+         tandem_amx::granted();
 #else
   return false;
 #endif
@@ -248,25 +241,8 @@ TANDEM_TARGET_AVX2 void kernel_avx2(const int8_t* xq, const int8_t* w, int64_t k
 #endif
 
 #ifdef TANDEM_AMX
-// The tile registers' shapes, as ldtilecfg reads them (palette 1): tmm0-3 16 rows x 16 int32
-// dots, tmm4 16 rows of x (one group), tmm5-6 the group's 16 quads x 16 columns x 4.
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-TANDEM_TARGET_AMX void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
-TANDEM_TARGET_AMX void release_tiles() { _tile_release(); }
-
+// Tiles as tandem_amx::configure sets them: tmm0-3 16 rows x 16 int32 dots, tmm4 16 rows of x
+// (one group), tmm5-6 the group's 16 quads x 16 columns x 4.
 // dots[16][64] = one group's int32 dots of 16 x rows (ldx bytes apart) with a panel's group w.
 TANDEM_TARGET_AMX void kernel_amx(const int8_t* xq, int64_t ldx, const int8_t* w, int32_t* dots) {
   constexpr int64_t stride = kWidth * 4, out = kWidth * 4;
@@ -428,7 +404,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
     std::vector<int32_t> comp_cols(kWidth);
     std::vector<float> acc(rows_step * kWidth);
 #ifdef TANDEM_AMX
-    if (tiles) configure_tiles();
+    if (tiles) tandem_amx::configure();
 #endif
     for (int64_t p = begin; p < end; ++p) {
       const int64_t n0 = p * kWidth, cols = std::min(kWidth, n - n0);
@@ -463,7 +439,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
       }
     }
 #ifdef TANDEM_AMX
-    if (tiles) release_tiles();
+    if (tiles) tandem_amx::release();
 #endif
   });
   return y;

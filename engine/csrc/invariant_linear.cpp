@@ -33,11 +33,6 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__linux__) && defined(__x86_64__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TANDEM_AVX2 1
@@ -46,10 +41,9 @@
 // Built for every x86-64 compiler that knows AVX512-BF16, run where the CPU has it.
 #define TANDEM_AVX512BF16 1
 #define TANDEM_TARGET_BF16 __attribute__((target("avx512f,avx512bf16")))
-#if defined(__linux__) && defined(__GNUC__) && (__GNUC__ >= 11 || defined(__clang__))
-#define TANDEM_AMX 1
-#define TANDEM_TARGET_AMX __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16")))
 #endif
+#ifdef TANDEM_AMX  // engine/csrc/amx.h
+#define TANDEM_TARGET_AMX __attribute__((target("avx512f,avx512bf16,amx-tile,amx-bf16")))
 #endif
 
 namespace {
@@ -128,18 +122,11 @@ bool cpu_has_bf16_pairs() {
 #endif
 }
 
-// AMX-BF16 in the CPU, and the kernel's leave to use its tile state (Linux hands it out per
-// process on request, once).
+// AMX-BF16 in the CPU, and this process's leave to use the tiles.
 bool cpu_has_tiles() {
 #ifdef TANDEM_AMX
-  static const bool granted = [] {
-    if (!cpu_has_bf16_pairs() || !__builtin_cpu_supports("amx-tile") ||
-        !__builtin_cpu_supports("amx-bf16"))
-      return false;
-    constexpr long kReqXcompPerm = 0x1023, kXtileData = 18;  // asm/prctl.h, XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtileData) == 0;
-  }();
-  return granted;
+  return cpu_has_bf16_pairs() && __builtin_cpu_supports("amx-tile") &&
+         __builtin_cpu_supports("amx-bf16") && tandem_amx::granted();
 #else
   return false;
 #endif
@@ -179,26 +166,8 @@ TANDEM_TARGET_BF16 void kernel_bf16(const uint16_t* x, int64_t ldx, const uint16
 #endif
 
 #ifdef TANDEM_AMX
-// The tile registers' shapes, as ldtilecfg reads them (palette 1).
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0-3: 16 rows x 64 fp32 columns (4 tiles of 16); tmm4: 16 rows of x, 32 k; tmm5-6: the
-// weight, 16 k pairs x 16 columns x 2.
-TANDEM_TARGET_AMX void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 7; ++t) {
-    config.rows[t] = kTileRows;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
-}
-
-TANDEM_TARGET_AMX void release_tiles() { _tile_release(); }
-
+// Tiles as tandem_amx::configure sets them: tmm0-3 16 rows x 64 fp32 columns (4 tiles of 16);
+// tmm4 16 rows of x, 32 k; tmm5-6 the weight, 16 k pairs x 16 columns x 2.
 // out[16][64] = x[16 rows, kp] W^T for one 64-column panel (pairs layout, kp a multiple of 32).
 TANDEM_TARGET_AMX void kernel_tiles(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t kp,
                                     float* out) {
@@ -385,7 +354,7 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(rows_step * width);
 #ifdef TANDEM_AMX
-    if (tiles) configure_tiles();
+    if (tiles) tandem_amx::configure();
 #endif
     for (int64_t b0 = 0; b0 < m; b0 += block_rows) {
       const int64_t b1 = std::min(m, b0 + block_rows);
@@ -415,7 +384,7 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
       }
     }
 #ifdef TANDEM_AMX
-    if (tiles) release_tiles();
+    if (tiles) tandem_amx::release();
 #endif
   });
   return y;
