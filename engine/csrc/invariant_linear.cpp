@@ -10,7 +10,7 @@
 //   32s; one tdpbf16ps per 16 rows x 16 columns x 32 k adds into an fp32 tile accumulator. AMX
 //   rounds its 32-k step its own way (not vdpbf16ps's bits), but each row of a tile is computed
 //   apart from the others -- the same bits whichever tile row it sits in and however many rows
-//   the tile holds (checked on a Sapphire-Rapids-class Xeon: tests/engine/test_determinism.py)
+//   the tile holds (checked on one AMX Xeon model: tests/engine/test_determinism.py)
 //   -- so rows are padded to 16 and the order over K is fixed: batch-invariant.
 // * pairs (bf16, CPUs with AVX512-BF16): panels of 64 columns, K in pairs ([K/2][64][2]); one
 //   vdpbf16ps per 16 columns and k pair adds the pair's two products to the fp32 accumulator.
