@@ -142,12 +142,11 @@ __attribute__((optimize("fp-contract=off"))) void epilogue(
 // then narrowed; offset: + 128, read as unsigned (vnni512).
 #ifdef TANDEM_X86
 TANDEM_TARGET_AVX512 float quantize_group64(const float* x, int8_t* q, bool offset) {
-  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   __m512 v[4];
   __m512 amax = _mm512_setzero_ps();
   for (int j = 0; j < 4; ++j) {
     v[j] = _mm512_loadu_ps(x + 16 * j);
-    amax = _mm512_max_ps(_mm512_and_ps(v[j], abs_mask), amax);
+    amax = _mm512_max_ps(_mm512_abs_ps(v[j]), amax);
   }
   const float a = _mm512_reduce_max_ps(amax);
   const __m512 inv = _mm512_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
