@@ -6,6 +6,10 @@ Two boundary problems sit between sampled ids and the client (docs/design.md#str
    and SentencePiece decoders strip the leading space of the whole text. The
    :class:`IncrementalDetokenizer` decodes a small window of recent ids and releases only text
    that later tokens cannot change, so the pieces always add up to ``tokenizer.decode(ids)``.
+   For the two decoder families whose text is the concatenation of the tokens' bytes (byte-level
+   BPE; Llama's SentencePiece: Replace, ByteFallback, Fuse, Strip) it joins memoised bytes
+   instead of calling the tokenizer, while the stream stays valid UTF-8 (a tokenizer call per
+   token was most of a 64-sequence step's output cost).
 2. A stop string may span several tokens' text. The :class:`StopStringChecker` holds back any
    tail that could still grow into a stop string and cuts the output at the first match.
 
@@ -17,12 +21,14 @@ Two boundary problems sit between sampled ids and the client (docs/design.md#str
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 from weakref import WeakKeyDictionary
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, token_bytes
 
 _REPLACEMENT = "\ufffd"
 
@@ -36,6 +42,17 @@ class _TokenMemo:
         self._tok = tokenizer
         self._dropped: dict[int, bool] = {}
         self._text: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
+        # decode(ids) == the ids' bytes joined, decoded (if valid), a leading " " stripped when
+        # ``strips_space``: then the detokenizer may join bytes instead of decoding.
+        self.joins_bytes, self.strips_space = _joins_bytes(tokenizer)
+
+    def piece(self, token_id: int) -> bytes:
+        """The bytes ``token_id`` adds to the text (:func:`engine.tokenizer.token_bytes`)."""
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = token_bytes(self._tok, token_id)
+        return raw
 
     def dropped(self, token_id: int) -> bool:
         dropped = self._dropped.get(token_id)
@@ -53,6 +70,25 @@ class _TokenMemo:
         if text is None:
             text = self._text[ids[0]] = self._tok.decode(ids, skip_special_tokens=False)
         return text
+
+
+def _joins_bytes(tokenizer: Tokenizer) -> tuple[bool, bool]:
+    """(whether the tokenizer's decode joins its tokens' bytes, whether it then strips one
+    leading space): true of a byte-level decoder, and of Llama's SentencePiece sequence --
+    given a special token, which :func:`token_bytes` decodes a token after to keep its space."""
+    decoder: Any = json.loads(tokenizer.json).get("decoder") or {}
+    if decoder.get("type") == "ByteLevel":
+        return True, False
+    steps = decoder.get("decoders") if decoder.get("type") == "Sequence" else None
+    llama = [
+        {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+        {"type": "ByteFallback"},
+        {"type": "Fuse"},
+        {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+    ]
+    if steps == llama and tokenizer.special_token_ids:
+        return True, True
+    return False, False
 
 
 _MEMOS: WeakKeyDictionary[Tokenizer, _TokenMemo] = WeakKeyDictionary()
@@ -75,11 +111,19 @@ class IncrementalDetokenizer:
     newest id is not a byte-fallback token: a byte-fallback decoder decodes a whole run of byte
     tokens at once (an invalid run turns *every* byte into U+FFFD), so a run is final only once
     a non-byte token ends it.
+
+    Where the tokenizer's decode joins its tokens' bytes (``_TokenMemo.joins_bytes``), the
+    pending ids' memoised bytes are decoded instead, under the same rule (release when they end
+    a character and the newest id is no byte token), so the window state stays the one above;
+    invalid UTF-8 (where decoders differ: U+FFFD per byte or per sequence) goes to the
+    tokenizer's own decode, whose release leaves nothing pending, so joining resumes after it.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._memo = _memo(tokenizer)
+        self._joins = self._memo.joins_bytes
+        self._strip = self._memo.strips_space  # until the first text: then it is stripped
         self._ids: list[int] = []
         self._prefix = 0
         self._read = 0
@@ -96,7 +140,33 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         if token_id in self._tok.byte_token_ids:
             return ""
-        return self._release(final=False)
+        if self._joins:
+            text = self._join()
+            if text is not None:
+                return text
+        text = self._release(final=False)
+        if text:
+            self._strip = False  # the tokenizer stripped it (its window started the text)
+        return text
+
+    def _join(self) -> str | None:
+        """The release by joined bytes: the text, "" while a character is unfinished, None
+        on invalid UTF-8 (the tokenizer's decode releases it, and past it joining goes on)."""
+        ids, piece = self._ids, self._memo.piece
+        pending = ids[self._read :]
+        data = piece(pending[0]) if len(pending) == 1 else b"".join(map(piece, pending))
+        try:
+            text = data.decode()
+        except UnicodeDecodeError as exc:
+            if exc.reason == "unexpected end of data":  # the first error is the end: unfinished
+                return ""
+            return None
+        if self._strip and text:
+            self._strip = False
+            text = text.removeprefix(" ")
+        self._prefix, self._read = self._read, len(ids)
+        self.num_stable_tokens = self.num_tokens
+        return text
 
     def flush(self) -> str:
         """Release whatever is held (the request ended): broken UTF-8 comes out as U+FFFD."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from engine.detokenizer import (
     TextStream,
 )
 from engine.sampling_params import SamplingParams
-from engine.tokenizer import Tokenizer
+from engine.tokenizer import Tokenizer, token_bytes
 
 SETTINGS = settings(
     max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -177,6 +178,66 @@ def test_window_stays_small(test_llama: Path) -> None:
     pieces, tail = stream_pieces(tok, ids)
     assert "".join(pieces) + tail == text
     assert len(ids) > 250 and CountingTokenizer.longest <= 2
+
+
+class CountingDecodes(Tokenizer):
+    """A tokenizer counting its decode calls."""
+
+    calls = 0
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.calls += 1
+        return super().decode(ids, skip_special_tokens)
+
+
+@pytest.mark.parametrize("family", ["byte_fallback", "byte_level"])
+def test_known_decoders_join_bytes_without_calling_the_tokenizer(
+    family: str, test_llama: Path, byte_level_tokenizer_dir: Path
+) -> None:
+    tok = CountingDecodes(test_llama if family == "byte_fallback" else byte_level_tokenizer_dir)
+    text = "Bees visit flowers; the 🙂 stays, and € too. " * 3
+    ids = tok.encode(text, add_special_tokens=False)
+    assert "".join(stream_pieces(tok, ids)[0]) == text  # memoises every id's bytes
+    tok.calls = 0
+    pieces, tail = stream_pieces(tok, ids)
+    assert "".join(pieces) + tail == text
+    assert tok.calls == 0
+
+
+def test_other_decoders_keep_the_tokenizers_decode(test_llama: Path, tmp_path: Path) -> None:
+    """A decoder outside the two known shapes (here: a Strip of two leading spaces) is never
+    joined: joining would strip one space where it strips two."""
+    spec = json.loads((test_llama / "tokenizer.json").read_text())
+    spec["decoder"]["decoders"][-1]["start"] = 2
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    tok = CountingDecodes(tmp_path)
+    ids = tok.encode("  two spaces lead", add_special_tokens=False)
+    full = tok.decode(ids)
+    assert not full.startswith(" ")
+    stream_pieces(tok, ids)
+    tok.calls = 0
+    pieces, tail = stream_pieces(tok, ids)
+    assert "".join(pieces) + tail == full and tok.calls > 0
+
+
+def test_joining_resumes_after_invalid_utf8(
+    test_llama: Path, byte_level_tokenizer_dir: Path
+) -> None:
+    """Invalid UTF-8 goes to the tokenizer's decode (each decoder has its own U+FFFD rule);
+    the text after it is joined again: a couple of tokenizer calls, not one per token."""
+    bl, sp = CountingDecodes(byte_level_tokenizer_dir), CountingDecodes(test_llama)
+    lead = next(i for i in range(bl.vocab_size) if token_bytes(bl, i) == b"\xe6")
+    words = " three four five six seven eight nine ten"
+    # Byte fallback turns every byte of an invalid run into U+FFFD, the valid "A" too.
+    cases = ((bl, [lead], "\ufffd"), (sp, byte_ids(sp, b"A\xe2"), "\ufffd\ufffd"))
+    for tok, bad_ids, replaced in cases:
+        ids = [*tok.encode("one two", add_special_tokens=False), *bad_ids]
+        ids += tok.encode(words, add_special_tokens=False)
+        stream_pieces(tok, ids)
+        tok.calls = 0
+        pieces, tail = stream_pieces(tok, ids)
+        assert tok.calls <= 2  # the release of the invalid bytes (window, context): not per token
+        assert "".join(pieces) + tail == tok.decode(ids) == "one two" + replaced + words
 
 
 def id_sequences(tok: Tokenizer, byte_fallback: bool) -> st.SearchStrategy[list[int]]:
