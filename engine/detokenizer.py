@@ -21,11 +21,9 @@ Two boundary problems sit between sampled ids and the client (docs/design.md#str
 
 from __future__ import annotations
 
-import json
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 from weakref import WeakKeyDictionary
 
 from engine.tokenizer import Tokenizer, token_bytes
@@ -76,7 +74,7 @@ def _joins_bytes(tokenizer: Tokenizer) -> tuple[bool, bool]:
     """(whether the tokenizer's decode joins its tokens' bytes, whether it then strips one
     leading space): true of a byte-level decoder, and of Llama's SentencePiece sequence --
     given a special token, which :func:`token_bytes` decodes a token after to keep its space."""
-    decoder: Any = json.loads(tokenizer.json).get("decoder") or {}
+    decoder = tokenizer.decoder
     if decoder.get("type") == "ByteLevel":
         return True, False
     steps = decoder.get("decoders") if decoder.get("type") == "Sequence" else None
@@ -122,7 +120,6 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
         self._memo = _memo(tokenizer)
-        self._joins = self._memo.joins_bytes
         self._strip = self._memo.strips_space  # until the first text: then it is stripped
         self._ids: list[int] = []
         self._prefix = 0
@@ -140,7 +137,7 @@ class IncrementalDetokenizer:
         self._ids.append(token_id)
         if token_id in self._tok.byte_token_ids:
             return ""
-        if self._joins:
+        if self._memo.joins_bytes:
             text = self._join()
             if text is not None:
                 return text

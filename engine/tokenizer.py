@@ -38,6 +38,7 @@ class Tokenizer:
         spec = json.loads(text)
         self._tok = HFTokenizer.from_str(text)
         self.json = text  # tokenizer.json: the grammar engine builds its own tokenizer from it
+        self.decoder: dict[str, Any] = spec.get("decoder") or {}  # its "decoder" section
         config = _read_json(root / "tokenizer_config.json")
         generation = _read_json(root / "generation_config.json")
 
@@ -47,7 +48,7 @@ class Tokenizer:
         # A byte-fallback decoder turns a whole run of <0xXX> tokens into text at once (and every
         # byte of an invalid run into U+FFFD), so the detokenizer must know which ids they are.
         self.byte_token_ids: frozenset[int] = frozenset()
-        if _has_decoder(spec.get("decoder"), "ByteFallback"):
+        if _has_decoder(self.decoder, "ByteFallback"):
             vocab = self._tok.get_vocab(with_added_tokens=True)
             self.byte_token_ids = frozenset(i for t, i in vocab.items() if _BYTE_TOKEN.fullmatch(t))
 

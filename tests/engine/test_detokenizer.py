@@ -37,6 +37,18 @@ def byte_ids(tok: Tokenizer, data: bytes) -> list[int]:
     return [i for i in ids if i is not None]
 
 
+class CountingDecodes(Tokenizer):
+    """A tokenizer counting its decode calls and the longest one."""
+
+    calls = 0
+    longest = 0
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        self.calls += 1
+        self.longest = max(self.longest, len(ids))
+        return super().decode(ids, skip_special_tokens)
+
+
 # --- the stop-string example of docs/design.md#streaming-text
 # -------------------------------------------------------
 
@@ -155,39 +167,52 @@ def test_leading_space_is_stripped_once(demo_tok: Tokenizer) -> None:
     assert pieces == ["the", " server", " must", " wait"] and tail == ""
 
 
-def test_byte_level_multibyte_char_is_held(bl_tok: Tokenizer) -> None:
-    ids = bl_tok.encode("🙂", add_special_tokens=False)
+@pytest.mark.parametrize("joined", [True, False])
+def test_byte_level_multibyte_char_is_held(
+    joined: bool, byte_level_tokenizer_dir: Path, unjoined_bl_dir: Path
+) -> None:
+    tok = CountingDecodes(byte_level_tokenizer_dir if joined else unjoined_bl_dir)
+    ids = tok.encode("🙂", add_special_tokens=False)
     assert len(ids) >= 2  # the emoji spans several byte-level tokens
-    pieces, tail = stream_pieces(bl_tok, ids)
+    stream_pieces(tok, ids)  # memoises the ids' bytes
+    tok.calls = 0
+    pieces, tail = stream_pieces(tok, ids)
+    assert (tok.calls == 0) is joined  # the path under test is the one taken
     assert pieces == [""] * (len(ids) - 1) + ["🙂"] and tail == ""
 
 
-def test_window_stays_small(test_llama: Path) -> None:
+@pytest.fixture(scope="module")
+def unjoined_dir(test_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo tokenizer with a decoder outside the two joined shapes (its Strip takes two
+    leading spaces): the detokenizer decodes windows through it."""
+    spec = json.loads((test_llama / "tokenizer.json").read_text())
+    spec["decoder"]["decoders"][-1]["start"] = 2
+    path = tmp_path_factory.mktemp("unjoined")
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path
+
+
+@pytest.fixture(scope="module")
+def unjoined_bl_dir(
+    byte_level_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The byte-level tokenizer with its decoder wrapped in a Sequence (the same text, not the
+    joined shape): its partial characters go through the windows' U+FFFD hold."""
+    spec = json.loads((byte_level_tokenizer_dir / "tokenizer.json").read_text())
+    spec["decoder"] = {"type": "Sequence", "decoders": [spec["decoder"]]}
+    path = tmp_path_factory.mktemp("unjoined_bl")
+    (path / "tokenizer.json").write_text(json.dumps(spec))
+    return path
+
+
+def test_window_stays_small(unjoined_dir: Path) -> None:
     """Each id costs a decode of a few ids, not of the whole output."""
-
-    class CountingTokenizer(Tokenizer):
-        longest = 0
-
-        def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-            CountingTokenizer.longest = max(CountingTokenizer.longest, len(ids))
-            return super().decode(ids, skip_special_tokens)
-
-    tok = CountingTokenizer(test_llama)
+    tok = CountingDecodes(unjoined_dir)
     text = "Bees visit flowers, carry pollen from one to the next, and make honey. " * 20
     ids = tok.encode(text, add_special_tokens=False)
     pieces, tail = stream_pieces(tok, ids)
     assert "".join(pieces) + tail == text
-    assert len(ids) > 250 and CountingTokenizer.longest <= 2
-
-
-class CountingDecodes(Tokenizer):
-    """A tokenizer counting its decode calls."""
-
-    calls = 0
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        self.calls += 1
-        return super().decode(ids, skip_special_tokens)
+    assert len(ids) > 250 and tok.calls >= len(ids) and tok.longest <= 2
 
 
 @pytest.mark.parametrize("family", ["byte_fallback", "byte_level"])
@@ -204,13 +229,10 @@ def test_known_decoders_join_bytes_without_calling_the_tokenizer(
     assert tok.calls == 0
 
 
-def test_other_decoders_keep_the_tokenizers_decode(test_llama: Path, tmp_path: Path) -> None:
+def test_other_decoders_keep_the_tokenizers_decode(unjoined_dir: Path) -> None:
     """A decoder outside the two known shapes (here: a Strip of two leading spaces) is never
     joined: joining would strip one space where it strips two."""
-    spec = json.loads((test_llama / "tokenizer.json").read_text())
-    spec["decoder"]["decoders"][-1]["start"] = 2
-    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
-    tok = CountingDecodes(tmp_path)
+    tok = CountingDecodes(unjoined_dir)
     ids = tok.encode("  two spaces lead", add_special_tokens=False)
     full = tok.decode(ids)
     assert not full.startswith(" ")
@@ -273,6 +295,15 @@ def test_pieces_concatenate_to_decode_byte_fallback(
     demo_tok: Tokenizer, data: st.DataObject
 ) -> None:
     check_pieces(demo_tok, data.draw(id_sequences(demo_tok, byte_fallback=True)))
+
+
+@SETTINGS
+@given(data=st.data(), byte_level=st.booleans())
+def test_pieces_concatenate_to_decode_by_windows(
+    unjoined_dir: Path, unjoined_bl_dir: Path, data: st.DataObject, byte_level: bool
+) -> None:
+    tok = Tokenizer(unjoined_bl_dir if byte_level else unjoined_dir)
+    check_pieces(tok, data.draw(id_sequences(tok, byte_fallback=not byte_level)))
 
 
 @SETTINGS
