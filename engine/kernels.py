@@ -14,8 +14,9 @@ None, logs why once, and callers keep the pure-PyTorch path.
   order whatever the row count): the default linear path (``engine.model.Linear``).
 * ``skinny_linear`` -- bf16-weight GEMM of a few rows at memory bandwidth, for CPUs without
   native bf16 GEMM (used by ``engine.model.Linear`` whenever it builds).
-* ``row_sum`` -- the sampler's row sums in one fixed order: the same bits on any thread count
-  and CPU (``engine.sampler.row_sum``).
+* ``portable_math`` -- the float math whose bits must not depend on the CPU: the sampler's
+  row sums (one fixed order on any thread count), exp and log, and RoPE's cos and sin (PyTorch's
+  go to MKL, which picks its code by CPU vendor): ``engine.sampler``, ``engine.model``.
 * ``token_bitmask`` -- a grammar's token bitmask applied to the logits as it is, without
   unpacking it (structured outputs: ``engine.structured.ban_disallowed``).
 """
@@ -45,7 +46,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "skinny_linear": ("skinny_linear",),
     "invariant_linear": ("invariant_linear", "pack_linear", "invariant_layouts"),
     "token_bitmask": ("apply_token_bitmask",),
-    "row_sum": ("row_sum",),
+    "portable_math": ("row_sum", "portable_exp", "portable_log", "cos_sin"),
     "int8_linear": ("int8_linear", "pack_int8", "int8_path", "int8_path_supported"),
 }
 # Shared sources (csrc/<header>) put ahead of a kernel's own text, so that editing one rebuilds
@@ -53,6 +54,10 @@ KERNELS: dict[str, tuple[str, ...]] = {
 KERNEL_HEADERS: dict[str, tuple[str, ...]] = {
     "invariant_linear": ("amx.h",),
     "int8_linear": ("amx.h",),
+}
+# Flags after _FLAGS for one kernel: portable_math's bits are its IEEE ops as written.
+KERNEL_FLAGS: dict[str, tuple[str, ...]] = {
+    "portable_math": ("-ffp-contract=off", "-fno-trapping-math")
 }
 # Most rows skinny_linear takes (its kMaxRows); past it the GEMM is compute-bound.
 SKINNY_MAX_ROWS = 16
@@ -79,7 +84,7 @@ def load(name: str) -> ModuleType | None:
                 (_CSRC / f"{name}.cpp").read_text(),
             ],
             functions=list(KERNELS[name]),
-            extra_cflags=_FLAGS,
+            extra_cflags=[*_FLAGS, *KERNEL_FLAGS.get(name, ())],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as exc:  # no compiler, no OpenMP, no headers: all mean "use PyTorch"
@@ -175,11 +180,39 @@ def apply_token_bitmask(logits: Tensor, bitmask: Tensor, rows: Tensor) -> bool:
 def row_sum(x: Tensor) -> Tensor | None:
     """Each row of float32 ``x`` ``[R, V]`` summed in one fixed order, ``[R, 1]``; None where the
     kernel is not available."""
-    ext = load("row_sum")
+    ext = load("portable_math")
     if ext is None:
         return None
     out: Tensor = ext.row_sum(x.contiguous())
     return out
+
+
+def portable_exp(x: Tensor) -> Tensor | None:
+    """exp of float32 CPU ``x``, the same bits on every CPU; None where the kernel is not
+    available (engine/csrc/portable_math.cpp)."""
+    ext = load("portable_math")
+    if ext is None:
+        return None
+    out: Tensor = ext.portable_exp(x.contiguous())
+    return out
+
+
+def portable_log(x: Tensor) -> Tensor | None:
+    """log of float32 CPU ``x``, as :func:`portable_exp`."""
+    ext = load("portable_math")
+    if ext is None:
+        return None
+    out: Tensor = ext.portable_log(x.contiguous())
+    return out
+
+
+def portable_cos_sin(x: Tensor) -> tuple[Tensor, Tensor] | None:
+    """cos and sin of float32 CPU ``x`` (accurate for ``|x| < 2**20``), as :func:`portable_exp`."""
+    ext = load("portable_math")
+    if ext is None:
+        return None
+    both: Tensor = ext.cos_sin(x.contiguous())
+    return both[0], both[1]
 
 
 # The int8 GEMM's ways through one packed weight (engine/csrc/int8_linear.cpp), fastest first.

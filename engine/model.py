@@ -198,6 +198,18 @@ def rope_inv_freq(config: ModelConfig) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
+def rope_cos_sin(angles: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos and sin of the rotary angles ``[T, head_dim / 2]``, each ``[T, 1, head_dim]`` in
+    ``dtype``. On CPU the portable kernel's (engine/csrc/portable_math.cpp): PyTorch's cos and
+    sin call MKL, whose last bits follow the CPU vendor."""
+    both = kernels.portable_cos_sin(angles) if angles.device.type == "cpu" else None
+    cos, sin = (angles.cos(), angles.sin()) if both is None else both
+    return (
+        torch.cat((cos, cos), dim=-1)[:, None, :].to(dtype),
+        torch.cat((sin, sin), dim=-1)[:, None, :].to(dtype),
+    )
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -300,9 +312,7 @@ class DecoderModel:
         c = self.config
         t = input_ids.shape[0]
         heads, kv_heads = c.num_attention_heads, c.num_key_value_heads
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        cos, sin = emb.cos().to(c.dtype), emb.sin().to(c.dtype)
+        cos, sin = rope_cos_sin(positions.float()[:, None] * self.inv_freq[None, :], c.dtype)
 
         h = F.embedding(input_ids, self.embed)
         for layer, w in enumerate(self.layers):

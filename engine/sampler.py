@@ -114,7 +114,7 @@ def typical_mask(probs: Tensor, mass: Sequence[float]) -> Tensor:
     """Typical sampling: order tokens by |-log p_i - H| ascending (ties by id) and keep the
     smallest prefix reaching ``mass``; this may drop the most probable token
     (docs/design.md#sampling-order)."""
-    logp = probs.log()
+    logp = log(probs)
     entropy = -row_sum(torch.where(probs > 0, probs * logp, 0))
     distance = (-logp - entropy).abs()  # +inf for zero-probability tokens: they sort last
     _, order = distance.sort(dim=-1, stable=True)
@@ -153,7 +153,7 @@ def _tempered_probs(logits: Tensor, temperatures: Sequence[float]) -> Tensor:
     Written out rather than ``torch.softmax``, whose CPU kernel sums in its vector width and so
     differs in the last bit between AVX2 and AVX-512 (:func:`log_softmax`)."""
     temps = torch.tensor(temperatures, dtype=logits.dtype, device=logits.device)[:, None]
-    weights = ((logits - logits.amax(-1, keepdim=True)) / temps).exp()
+    weights = exp((logits - logits.amax(-1, keepdim=True)) / temps)
     return weights / row_sum(weights)
 
 
@@ -162,21 +162,39 @@ def log_softmax(logits: Tensor) -> Tensor:
     count, so a stream moved between an AVX2 and an AVX-512 worker of the portable numerics
     class keeps its logprobs (docs/design.md#numerics-classes). ``torch.log_softmax``'s CPU
     kernel sums in its vector width (8 floats on AVX2, 16 on AVX-512) and the two differ in the
-    last bit; amax, exp and log give the same bits under both, and :func:`row_sum` sums."""
+    last bit; :func:`exp`, :func:`log` and :func:`row_sum` do not."""
     top = logits.amax(-1, keepdim=True)
-    return logits - (top + row_sum((logits - top).exp()).log())
+    return logits - (top + log(row_sum(exp(logits - top))))
 
 
 def row_sum(x: Tensor) -> Tensor:
-    """Each row's sum, ``[B, 1]``; on CPU in one fixed order (engine/csrc/row_sum.cpp).
+    """Each row's sum, ``[B, 1]``; on CPU in one fixed order (engine/csrc/portable_math.cpp).
     ``torch.sum`` splits a row longer than its 32,768-element grain across threads when there
     are few rows (a decode step of one sequence over a 49,152-token vocabulary), so its bits
     follow the thread count, and its vector width the CPU."""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
+    if _portable(x):
         summed = kernels.row_sum(x.reshape(-1, x.shape[-1]))
         if summed is not None:
             return summed.reshape(*x.shape[:-1], 1)
     return x.sum(-1, keepdim=True)
+
+
+def exp(x: Tensor) -> Tensor:
+    """``x.exp()``, on CPU the same bits on every CPU: torch's calls MKL, whose code (and last
+    bits) follow the CPU it finds (engine/csrc/portable_math.cpp)."""
+    out = kernels.portable_exp(x) if _portable(x) else None
+    return x.exp() if out is None else out
+
+
+def log(x: Tensor) -> Tensor:
+    """``x.log()``, as :func:`exp`."""
+    out = kernels.portable_log(x) if _portable(x) else None
+    return x.log() if out is None else out
+
+
+def _portable(x: Tensor) -> bool:
+    """Whether the portable kernels take ``x``: float32 on CPU (elsewhere torch's ops)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32
 
 
 # -- per-sequence state ---------------------------------------------------------------------------

@@ -2,13 +2,16 @@
 the router keeps every request within one class (tests/router/test_router.py), and the
 portable layout gives the same bits on every CPU family.
 
-Two checks of the last: the portable layout's greedy run against bits recorded on another
-machine (``data/portable_numerics.json``), and the same run and the sampler's every float under
-each ATen CPU capability this CPU has (an AVX-512 machine runs PyTorch's AVX2 kernels too, with
-``ATEN_CPU_CAPABILITY=avx2``, as an AVX2-only CPU would). PyTorch's ``softmax`` and
-``log_softmax`` differed in the last bit between the two (they sum in the kernel's vector
-width); the sampler writes them out in ops that do not (engine/sampler.py::log_softmax), its
-sums in one fixed order whatever the thread count too (engine/sampler.py::row_sum)."""
+Two checks of the last: the portable layout's greedy run and a digest of the sampler's every
+float against those recorded on another machine (``data/portable_numerics.json``), and both
+under each ATen CPU capability this CPU has (an AVX-512 machine runs PyTorch's AVX2 kernels too,
+with ``ATEN_CPU_CAPABILITY=avx2``). PyTorch's ``softmax`` and ``log_softmax`` differed in the
+last bit between the two (they sum in the kernel's vector width); the sampler writes them out
+in ops that do not (engine/sampler.py::log_softmax), its sums in one fixed order whatever the
+thread count too (engine/sampler.py::row_sum). A capability is not a CPU: PyTorch's exp and log
+call MKL, which picks its code by CPU vendor, and a file recorded on an AVX-512 Xeon (the same
+there under ``avx2``) missed on an AVX2 EPYC in one logprob; exp, log, cos and sin are now the
+portable kernel's (engine/csrc/portable_math.cpp, tests/engine/test_portable_math.py)."""
 
 from __future__ import annotations
 
@@ -88,6 +91,13 @@ def test_the_portable_layout_gives_the_recorded_bits_under_each_capability(
 ) -> None:
     golden: dict[str, Any] = json.loads(GOLDEN.read_text())
     assert json.loads(under(capability, "model", str(bf16_llama))) == golden["bits"]
+
+
+def test_the_sampler_computes_the_recorded_bits_on_this_cpu() -> None:
+    """Every float the sampler computes, against a digest recorded on another machine: the
+    capabilities below are one CPU's, and PyTorch's exp and log call MKL, whose code follows
+    the CPU vendor where no capability setting reaches (engine/csrc/portable_math.cpp)."""
+    assert sampler_digest() == json.loads(GOLDEN.read_text())["sampler_sha256"]
 
 
 @pytest.mark.parametrize("capability", capabilities())

@@ -1,0 +1,216 @@
+// The float math whose bits must not depend on the CPU (docs/design.md#numerics-classes): the
+// sampler's row sums, exp and log, and RoPE's cos and sin.
+//
+// PyTorch's exp, log, cos and sin on CPU call MKL's vector math, which picks its code by the CPU
+// it finds -- ATEN_CPU_CAPABILITY does not reach it -- and an Intel Xeon and an AMD EPYC gave
+// log(82.795166f) one float apart (found 2026-12-05: the portable class's recorded logprobs
+// missed on the EPYC in one row of 48). Here each function is a fixed sequence of IEEE-754
+// adds, multiplies, divides and conversions, each rounded once: this file builds with
+// -ffp-contract=off (engine/kernels.py), so the compiler fuses no multiply-add, and a loop
+// vectorised to any width computes every element as the scalar code does.
+// tests/engine/test_portable_math.py replays exp and log op for op in numpy float32.
+//
+// * exp, log: float32 throughout, Cephes' expf / logf reductions and polynomials (about 1 ulp).
+// * cos_sin: double throughout, rounded once to float32 (nearly always the correctly rounded
+//   value); the argument is reduced by pi/2 in three parts, exact for |x| < 2^20 (RoPE's angles
+//   are position * inv_freq <= the context length).
+// * row_sum: each row by one thread into 8 double accumulators (element i into i % 8),
+//   combined in a fixed tree, then the tail: a function of the row alone. torch's sum splits a
+//   long row (over its 32,768-element grain) across threads when rows are few -- a one-sequence
+//   step over a 49,152-token vocabulary summed differently on one thread than on two -- and
+//   its vector width follows the CPU.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace {
+
+constexpr int64_t kGrain = 1 << 14;  // elements per parallel task
+
+inline float from_bits(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+inline uint32_t to_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+// Round to the nearest integer, ties to even, for |t| < 2^22: adding 1.5 * 2^23 leaves no
+// fraction bits, and the add rounds.
+inline float round_even(float t) {
+  constexpr float kShift = 12582912.0f;
+  return (t + kShift) - kShift;
+}
+
+inline double round_even(double t) {  // |t| < 2^51
+  constexpr double kShift = 6755399441055744.0;
+  return (t + kShift) - kShift;
+}
+
+// 2^n as a float, -126 <= n <= 127.
+inline float pow2(int n) { return from_bits(static_cast<uint32_t>(n + 127) << 23); }
+
+// Both written without branches (selects only), so the loops over them vectorise.
+inline float exp_one(float x) {
+  // Past 89 the result overflows to inf and below -104 rounds to 0 by the arithmetic itself.
+  const float xc = x != x ? 0.0f : x < -104.0f ? -104.0f : x > 89.0f ? 89.0f : x;
+  // x = k ln2 + r, |r| <= ln2 / 2; ln2 in two parts, the first with 9 significant bits so
+  // k * 0.693359375f is exact for |k| <= 150.
+  const float k = round_even(xc * 1.44269504088896341f);
+  float r = xc - k * 0.693359375f;
+  r = r - k * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r;
+  p = p + 1.0f;
+  // p * 2^k in two steps, each factor a normal float: exact unless the result is subnormal
+  // (then the second step rounds once) or overflows.
+  const int n = static_cast<int>(k), half = n / 2;
+  const float y = (p * pow2(half)) * pow2(n - half);
+  return x != x ? x : y;
+}
+
+inline float log_one(float x) {
+  // A subnormal is scaled into the normals first (exact).
+  const bool subnormal = x < 1.17549435e-38f;
+  const uint32_t u = to_bits(subnormal ? x * 8388608.0f : x);
+  // x = m 2^e with m in [0.5, 1), then m in [sqrt(0.5), sqrt(2)) less 1.
+  const int scaled = static_cast<int>((u >> 23) & 0xffu) - 126 - (subnormal ? 23 : 0);
+  const float m0 = from_bits((u & 0x807fffffu) | 0x3f000000u);
+  const bool low = m0 < 0.707106781186547524f;
+  const float m = (low ? m0 + m0 : m0) - 1.0f;
+  const float fe = static_cast<float>(scaled - (low ? 1 : 0));
+  const float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m + -1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m + -1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m + -1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m + -2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = (y * m) * z;
+  y = y + fe * -2.12194440e-4f;
+  y = y + -0.5f * z;
+  const float v = (m + y) + fe * 0.693359375f;
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const float special = x == 0.0f ? -kInf : x == kInf ? kInf : std::numeric_limits<float>::quiet_NaN();
+  return x > 0.0f && x < kInf ? v : special;  // NaN, negatives: NaN
+}
+
+// cos and sin of x: x = k pi/2 + r, |r| <= pi/4, then Taylor series in r (last term's
+// remainder < 1e-19) and the quadrant k mod 4.
+void cos_sin_one(float xf, float* c, float* s) {
+  const double x = xf;
+  if (!(std::fabs(x) < 1e300)) {  // inf or NaN
+    *c = *s = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  // pi/2 in three parts of 33 bits: k * part is exact for |k| < 2^20.
+  constexpr double kPio2A = 1.57079632673412561417e+00;
+  constexpr double kPio2B = 6.07710050630396597660e-11;
+  constexpr double kPio2C = 2.02226624871116645580e-21;
+  const double k = round_even(x * 6.36619772367581382433e-01);
+  const double r = ((x - k * kPio2A) - k * kPio2B) - k * kPio2C;
+  const double t = r * r;
+  // Highest power first: sin r = r (1 - t/3! + t^2/5! - ... + t^8/17!), cos r = 1 - t/2! + ...
+  constexpr double kSin[] = {1.0 / 355687428096000.0, -1.0 / 1307674368000.0,
+                             1.0 / 6227020800.0,      -1.0 / 39916800.0,
+                             1.0 / 362880.0,          -1.0 / 5040.0,
+                             1.0 / 120.0,             -1.0 / 6.0,
+                             1.0};
+  constexpr double kCos[] = {1.0 / 20922789888000.0, -1.0 / 87178291200.0, 1.0 / 479001600.0,
+                             -1.0 / 3628800.0,       1.0 / 40320.0,        -1.0 / 720.0,
+                             1.0 / 24.0,             -1.0 / 2.0,           1.0};
+  double sn = kSin[0], cs = kCos[0];
+  for (int i = 1; i < 9; ++i) {
+    sn = sn * t + kSin[i];
+    cs = cs * t + kCos[i];
+  }
+  sn = sn * r;
+  const int64_t q = static_cast<int64_t>(k) & 3;
+  const double cq = q == 0 ? cs : q == 1 ? -sn : q == 2 ? -cs : sn;
+  const double sq = q == 0 ? sn : q == 1 ? cs : q == 2 ? -sn : -cs;
+  *c = static_cast<float>(cq);
+  *s = static_cast<float>(sq);
+}
+
+void check_float(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(), name,
+              " takes a contiguous float32 CPU tensor");
+}
+
+template <float (*F)(float)>
+at::Tensor elementwise(const at::Tensor& x, const char* name) {
+  check_float(x, name);
+  at::Tensor out = at::empty_like(x);
+  const float* in = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) o[i] = F(in[i]);
+  });
+  return out;
+}
+
+}  // namespace
+
+at::Tensor portable_exp(at::Tensor x) { return elementwise<exp_one>(x, "portable_exp"); }
+
+at::Tensor portable_log(at::Tensor x) { return elementwise<log_one>(x, "portable_log"); }
+
+// x [...] -> [2, ...]: cos then sin.
+at::Tensor cos_sin(at::Tensor x) {
+  check_float(x, "cos_sin");
+  std::vector<int64_t> shape{2};
+  shape.insert(shape.end(), x.sizes().begin(), x.sizes().end());
+  at::Tensor out = at::empty(shape, x.options());
+  const int64_t n = x.numel();
+  const float* in = x.data_ptr<float>();
+  float* c = out.data_ptr<float>();
+  float* s = c + n;
+  at::parallel_for(0, n, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) cos_sin_one(in[i], c + i, s + i);
+  });
+  return out;
+}
+
+// x [R, V] float32, contiguous -> [R, 1] float32.
+at::Tensor row_sum(at::Tensor x) {
+  check_float(x, "row_sum");
+  TORCH_CHECK(x.dim() == 2, "row_sum takes a [R, V] tensor");
+  const int64_t rows = x.size(0), cols = x.size(1);
+  at::Tensor out = at::empty({rows, 1}, x.options());
+  const float* in = x.data_ptr<float>();
+  float* sums = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* p = in + r * cols;
+      double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      int64_t i = 0;
+      for (; i + 8 <= cols; i += 8) {
+        for (int k = 0; k < 8; ++k) acc[k] += static_cast<double>(p[i + k]);
+      }
+      double tail = 0;
+      for (; i < cols; ++i) tail += static_cast<double>(p[i]);
+      const double body = ((acc[0] + acc[4]) + (acc[1] + acc[5])) +
+                          ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+      sums[r] = static_cast<float>(body + tail);
+    }
+  });
+  return out;
+}
