@@ -179,3 +179,26 @@ def test_the_sampler_and_rope_use_them_on_cpu_float32(monkeypatch: pytest.Monkey
     ours = real["portable_cos_sin"](angles)
     assert torch.equal(cos[:, 0], torch.cat([ours[0], ours[0]], -1).bfloat16())
     assert torch.equal(sin[:, 0], torch.cat([ours[1], ours[1]], -1).bfloat16())
+
+
+def test_an_elements_bits_do_not_depend_on_where_it_sits() -> None:
+    """Vector body or scalar tail, aligned or not, alone or among thousands (threads split the
+    long ones): the same bits for each element."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.cat([floats(40_000, 7), torch.rand(40_000, generator=g) * 200 - 100])
+    for f in (kernels.portable_exp, kernels.portable_log, kernels.portable_cos_sin):
+        whole = f(x)
+        assert whole is not None
+        expected = torch.stack(list(whole)) if isinstance(whole, tuple) else whole
+        for offset in (1, 3, 8, 13):
+            buf = torch.empty(len(x) + offset)
+            buf[offset:] = x
+            moved = f(buf[offset:])
+            assert moved is not None
+            got = torch.stack(list(moved)) if isinstance(moved, tuple) else moved
+            assert same_bits(got, expected.numpy())
+        for i in range(0, len(x), 997):
+            alone = f(x[i : i + 1])
+            assert alone is not None
+            got = torch.stack(list(alone)) if isinstance(alone, tuple) else alone
+            assert same_bits(got, expected[..., i : i + 1].numpy())
