@@ -263,8 +263,10 @@ class Coordinator:
                 )
                 try:
                     shared, shared_on = shared_on, None  # a retry is routed as any request
-                    async for delta in self._run_attempt(attempt, stream, exclusions, shared, lead):
-                        yield delta
+                    run = self._run_attempt(attempt, stream, exclusions, shared, lead)
+                    async with contextlib.aclosing(run):
+                        async for delta in run:
+                            yield delta
                     timed_out = stream.finish_reason is FinishReason.DEADLINE
                     status = RequestStatus.TIMED_OUT if timed_out else RequestStatus.FINISHED
                     return

@@ -25,6 +25,7 @@ closed it, or its process died) has its attempts here cancelled.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -424,8 +425,9 @@ class EngineWorker:
     async def _generate(self, attempt: EngineRequest) -> AsyncGenerator[TokenDelta, None]:
         """Prefill and decode here (colocated, or a decode worker's local prefill)."""
         self._touch()
-        async for delta in self._relay(self.engine.generate(attempt), attempt):
-            yield delta
+        async with contextlib.aclosing(self._relay(self.engine.generate(attempt), attempt)) as out:
+            async for delta in out:
+                yield delta
 
     async def _relay(
         self, stream: AsyncGenerator[TokenDelta, None], attempt: EngineRequest

@@ -26,6 +26,7 @@ short uncached prompts, where disaggregation costs more than it saves.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -168,8 +169,9 @@ class DecodeWorker(EngineWorker):
                 await asyncio.shield(self.engine.kv.finish_import(aid, error=reason))
                 await stream.aclose()
                 raise
-            async for delta in self._relay(stream, attempt):
-                yield delta
+            async with contextlib.aclosing(self._relay(stream, attempt)) as out:
+                async for delta in out:
+                    yield delta
         finally:
             lease.cancel()
             self._handoffs.pop(aid, None)

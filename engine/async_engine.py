@@ -26,6 +26,7 @@ the bound is exact.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -167,8 +168,11 @@ class AsyncLLMEngine:
             rid, request.params.n, asyncio.get_running_loop(), self.max_buffered_outputs
         )
         self._submit(_Add(stream, lambda engine: engine.add_request(request)))
-        async for out in self._consume(stream):
-            yield out
+        # aclosing: closing this generator closes _consume now, so its abort is submitted
+        # before aclose() returns (not later, when the loop finalizes an orphaned generator).
+        async with contextlib.aclosing(self._consume(stream)) as deltas:
+            async for out in deltas:
+                yield out
 
     async def import_request(
         self, request: EngineRequest, reservation: bool = False

@@ -359,6 +359,7 @@ def test_a_paused_request_with_a_far_deadline_does_not_break_the_engine(
             other = aengine.generate(aengine.make_request("hi", greedy(4), request_id="next"))
             outs = await collect(other)
             assert outs[-1].finished and outs[-1].finish_reason is FinishReason.MAX_TOKENS
+            await aengine.wait_idle()  # asleep, "far" paused: closing it must abort it at once
             await gen.aclose()
             await aengine.wait_idle()
             assert_idle_kv(aengine)
