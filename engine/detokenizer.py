@@ -26,39 +26,35 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from weakref import WeakKeyDictionary
 
-from engine.tokenizer import Tokenizer, token_bytes
+from engine.tokenizer import Tokenizer, tokens_bytes
 
 _REPLACEMENT = "\ufffd"
 
 
 class _TokenMemo:
-    """Per-tokenizer facts about single ids, computed once: whether the detokenizer drops the
-    id (special, or outside the vocabulary) and the id's text on its own. Every stream of a
-    tokenizer shares one memo, so the common case costs a dict lookup, not a tokenizer call."""
+    """Per-tokenizer facts about single ids, computed once for the whole vocabulary when the
+    tokenizer's first stream starts (one batched decode: tens of milliseconds): the bytes each
+    id adds to the text and whether the detokenizer drops it (special, or outside the
+    vocabulary); and each id's text on its own, as asked. Every stream of a tokenizer shares
+    one memo, so a token costs list lookups, not a tokenizer call."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
-        self._dropped: dict[int, bool] = {}
+        ids = range(tokenizer.vocab_size)
+        self._bytes = tokens_bytes(tokenizer, ids)
+        special = tokenizer.special_token_ids
+        self._dropped = [i in special or tokenizer.id_to_token(i) is None for i in ids]
         self._text: dict[int, str] = {}
-        self._bytes: dict[int, bytes] = {}
         # decode(ids) == the ids' bytes joined, decoded (if valid), a leading " " stripped when
         # ``strips_space``: then the detokenizer may join bytes instead of decoding.
         self.joins_bytes, self.strips_space = _joins_bytes(tokenizer)
 
     def piece(self, token_id: int) -> bytes:
-        """The bytes ``token_id`` adds to the text (:func:`engine.tokenizer.token_bytes`)."""
-        raw = self._bytes.get(token_id)
-        if raw is None:
-            raw = self._bytes[token_id] = token_bytes(self._tok, token_id)
-        return raw
+        """The bytes a kept id adds to the text (:func:`engine.tokenizer.tokens_bytes`)."""
+        return self._bytes[token_id]
 
     def dropped(self, token_id: int) -> bool:
-        dropped = self._dropped.get(token_id)
-        if dropped is None:
-            tok = self._tok
-            dropped = token_id in tok.special_token_ids or tok.id_to_token(token_id) is None
-            self._dropped[token_id] = dropped
-        return dropped
+        return not 0 <= token_id < len(self._dropped) or self._dropped[token_id]
 
     def decode(self, ids: list[int]) -> str:
         """``tokenizer.decode(ids, skip_special_tokens=False)``, memoised for one id."""
@@ -73,7 +69,7 @@ class _TokenMemo:
 def _joins_bytes(tokenizer: Tokenizer) -> tuple[bool, bool]:
     """(whether the tokenizer's decode joins its tokens' bytes, whether it then strips one
     leading space): true of a byte-level decoder, and of Llama's SentencePiece sequence --
-    given a special token, which :func:`token_bytes` decodes a token after to keep its space."""
+    given a special token, which :func:`tokens_bytes` decodes a token after to keep its space."""
     decoder = tokenizer.decoder
     if decoder.get("type") == "ByteLevel":
         return True, False
@@ -90,6 +86,11 @@ def _joins_bytes(tokenizer: Tokenizer) -> tuple[bool, bool]:
 
 
 _MEMOS: WeakKeyDictionary[Tokenizer, _TokenMemo] = WeakKeyDictionary()
+
+
+def prepare(tokenizer: Tokenizer) -> None:
+    """Build ``tokenizer``'s token table now (an engine at load), not on its first stream."""
+    _memo(tokenizer)
 
 
 def _memo(tokenizer: Tokenizer) -> _TokenMemo:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from engine import metrics
+from engine import detokenizer, metrics
 from engine.admission import RequestRejected
 from engine.batch import ScheduledChunk
 from engine.config import EngineConfig, ModelConfig
@@ -89,6 +89,7 @@ class LLMEngine:
         self.model_config: ModelConfig = runner.model_config
         self.runner = runner
         self.tokenizer = tokenizer
+        detokenizer.prepare(tokenizer)  # the token table: not on the first request's time
         # The context limit: the config's, within the model's positions and what the KV pool
         # can hold for one sequence (so a lone request can always run to its limit).
         self.max_model_len = min(

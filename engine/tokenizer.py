@@ -88,6 +88,15 @@ class Tokenizer:
         """Text of ``ids``; ids outside the vocabulary decode to nothing."""
         return str(self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens))
 
+    def decode_batch(
+        self, batch: Sequence[Sequence[int]], skip_special_tokens: bool = True
+    ) -> list[str]:
+        """:meth:`decode` of each of ``batch`` (one call into the tokenizer library)."""
+        texts = self._tok.decode_batch(
+            [list(ids) for ids in batch], skip_special_tokens=skip_special_tokens
+        )
+        return [str(t) for t in texts]
+
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id)
 
@@ -153,12 +162,30 @@ class Tokenizer:
 
 
 def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
-    """The bytes ``token_id`` adds to the output text.
+    """The bytes ``token_id`` adds to the output text (:func:`tokens_bytes` of one id)."""
+    return tokens_bytes(tokenizer, [token_id])[0]
+
+
+def tokens_bytes(tokenizer: Tokenizer, token_ids: Sequence[int]) -> list[bytes]:
+    """The bytes each of ``token_ids`` adds to the output text, in one batched decode (the
+    whole vocabulary's in tens of milliseconds: the detokenizer's table).
 
     A token alone may decode without its leading space (SentencePiece's Strip decoder) or to
     U+FFFD (part of a UTF-8 character), so: byte-fallback tokens are their byte; other tokens
     are decoded after an anchor token and the anchor's text cut off; byte-level BPE pieces of a
     character are mapped back through the GPT-2 byte alphabet."""
+    anchor = min(tokenizer.special_token_ids, default=None)
+    head = [] if anchor is None else [anchor]
+    prefix = tokenizer.decode(head, skip_special_tokens=False)
+    texts = tokenizer.decode_batch([[*head, t] for t in token_ids], skip_special_tokens=False)
+    return [
+        _bytes_of(tokenizer, t, text.removeprefix(prefix))
+        for t, text in zip(token_ids, texts, strict=True)
+    ]
+
+
+def _bytes_of(tokenizer: Tokenizer, token_id: int, text: str) -> bytes:
+    """:func:`tokens_bytes` of one id, given its text decoded after the anchor."""
     piece = tokenizer.id_to_token(token_id)
     if piece is None:
         return b""
@@ -166,13 +193,6 @@ def token_bytes(tokenizer: Tokenizer, token_id: int) -> bytes:
         return bytes([int(piece[3:5], 16)])
     if token_id in tokenizer.special_token_ids:
         return piece.encode()
-    anchor = min(tokenizer.special_token_ids, default=None)
-    if anchor is None:
-        text = tokenizer.decode([token_id], skip_special_tokens=False)
-    else:
-        prefix = tokenizer.decode([anchor], skip_special_tokens=False)
-        text = tokenizer.decode([anchor, token_id], skip_special_tokens=False)
-        text = text.removeprefix(prefix)
     if "\ufffd" in text and "\ufffd" not in piece and all(ch in _UNICODE_TO_BYTE for ch in piece):
         return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
     return text.encode()

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine.demo_model import BYTE_TOKENS, CHAT_TEMPLATE, SPECIAL_TOKENS
-from engine.tokenizer import Tokenizer, token_bytes, token_string
+from engine.tokenizer import Tokenizer, token_bytes, token_string, tokens_bytes
 
 SETTINGS = settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -213,3 +213,26 @@ def test_token_strings_of_split_characters(demo_tok: Tokenizer, bl_tok: Tokenize
     assert token_string(" é".encode()) == " é"
     bl_ids = bl_tok.encode("🙂", add_special_tokens=False)
     assert b"".join(token_bytes(bl_tok, t) for t in bl_ids) == "🙂".encode()
+
+
+@pytest.mark.parametrize("tok_name", ["demo_tok", "bl_tok"])
+def test_the_vocabularys_bytes_in_one_batch_are_each_tokens_own(
+    request: pytest.FixtureRequest, tok_name: str
+) -> None:
+    """tokens_bytes decodes the whole vocabulary in one batch (the detokenizer's table): each
+    id gets its own bytes, in order, as decoded after the anchor token on its own; an id past
+    the vocabulary adds nothing."""
+    tok: Tokenizer = request.getfixturevalue(tok_name)
+    ids = [*range(tok.vocab_size), tok.vocab_size + 3]
+    table = tokens_bytes(tok, ids)
+    assert table == [token_bytes(tok, i) for i in ids] and table[-1] == b""
+    anchor = min(tok.special_token_ids)
+    prefix = tok.decode([anchor], skip_special_tokens=False)
+    plain = 0
+    for i in range(0, tok.vocab_size, 7):
+        text = tok.decode([anchor, i], skip_special_tokens=False).removeprefix(prefix)
+        if i in tok.special_token_ids or i in tok.byte_token_ids or "\ufffd" in text:
+            continue
+        assert table[i] == text.encode(), i
+        plain += 1
+    assert plain > tok.vocab_size // 14
