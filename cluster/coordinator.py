@@ -263,9 +263,9 @@ class Coordinator:
                 )
                 try:
                     shared, shared_on = shared_on, None  # a retry is routed as any request
-                    run = self._run_attempt(attempt, stream, exclusions, shared, lead)
-                    async with contextlib.aclosing(run):
-                        async for delta in run:
+                    attempt_run = self._run_attempt(attempt, stream, exclusions, shared, lead)
+                    async with contextlib.aclosing(attempt_run):
+                        async for delta in attempt_run:
                             yield delta
                     timed_out = stream.finish_reason is FinishReason.DEADLINE
                     status = RequestStatus.TIMED_OUT if timed_out else RequestStatus.FINISHED
