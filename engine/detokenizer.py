@@ -32,8 +32,8 @@ _REPLACEMENT = "\ufffd"
 
 
 class _TokenMemo:
-    """Per-tokenizer facts about single ids, computed once for the whole vocabulary when the
-    tokenizer's first stream starts (one batched decode: tens of milliseconds): the bytes each
+    """Per-tokenizer facts about single ids, computed once for the whole vocabulary (at engine
+    load, :func:`prepare`, or on the tokenizer's first stream; one batched decode): the bytes each
     id adds to the text and whether the detokenizer drops it (special, or outside the
     vocabulary); and each id's text on its own, as asked. Every stream of a tokenizer shares
     one memo, so a token costs list lookups, not a tokenizer call."""
