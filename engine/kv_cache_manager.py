@@ -227,18 +227,30 @@ class KVCacheManager:
         """
         rid = request.request_id
         seq = self._seqs.get(rid)
+        bs = self.block_size
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        if (
+            seq is not None
+            and not computed_blocks
+            and num_new_tokens
+            and start // bs == len(seq.blocks) - 1 == (end - 1) // bs
+            and self.pool.refcount(seq.blocks[-1]) == 1
+        ):
+            # The common decode step: the tokens land in the last held block (a swapped-out
+            # request holds none), which nobody shares: nothing is taken or copied.
+            seq.num_slots = max(seq.num_slots, end)
+            self._full(request, seq, min(end, request.num_tokens) // bs, cache)
+            return []
         computed = computed_blocks or []
         if seq is not None and seq.host_blocks:
             raise ValueError(f"request {rid}: allocate_slots while swapped out")
         held = seq.blocks if seq is not None else []
         if computed and held:
             raise ValueError(f"request {rid}: computed_blocks on a request that holds blocks")
-        bs = self.block_size
-        start = request.num_computed_tokens
         if len(computed) * bs > start:
             raise ValueError(f"request {rid}: num_computed_tokens does not cover computed_blocks")
         table = held or list(computed)
-        end = start + num_new_tokens
         num_needed = -(-end // bs)
         # Blocks the new tokens write into that others also hold must be replaced first.
         written = range(start // bs, min(len(table), num_needed)) if num_new_tokens else ()
@@ -259,10 +271,13 @@ class KVCacheManager:
             seq.blocks = table
             new_blocks = self._take_blocks(table, cow, num_grow, start)
         seq.num_slots = max(seq.num_slots, end)
-        num_full = min(end, request.num_tokens) // bs
+        self._full(request, seq, min(end, request.num_tokens) // bs, cache)
+        return new_blocks
+
+    def _full(self, request: Request, seq: _Seq, num_full: int, cache: bool) -> None:
+        """The request's first ``num_full`` blocks are full: hash and cache the new ones."""
         if cache and self.enable_prefix_caching and num_full > len(seq.block_hashes):
             self._cache_full_blocks(request, seq, num_full)
-        return new_blocks
 
     def cache_computed(self, request: Request) -> None:
         """Register the full blocks of the request's computed tokens in the prefix cache (for

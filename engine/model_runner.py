@@ -198,8 +198,7 @@ class ModelRunner:
         All index lists are joined into one flat list and converted once (through numpy: a
         Python list converts several times faster that way) and moved to the device once."""
         bs, dev = self.block_size, self.device
-        for c in chunks:
-            self._check(c)
+        self._check(chunks)
         decodes = [c for c in chunks if len(c.token_ids) == 1]
         prefills = [c for c in chunks if len(c.token_ids) > 1]
         ids: list[int] = []
@@ -217,15 +216,7 @@ class ModelRunner:
             pos += span
             slots += [c.block_table[p // bs] * bs + p % bs for p in span]
             ids += c.token_ids
-        # Last row of each chunk: decodes are rows 0.., prefills follow in order.
-        last_row = {id(c): row for row, c in enumerate(decodes)}
-        for c, seq in zip(prefills, seqs, strict=True):
-            last_row[id(c)] = seq.row + seq.num_tokens - 1
-        sample_rows = [
-            row
-            for c in chunks
-            for row in range(last_row[id(c)] + 1 - c.num_logit_rows, last_row[id(c)] + 1)
-        ]
+        sample_rows = self._sample_rows(chunks, decodes, prefills, seqs)
         if self.paged_rows:
             return self._prepare_invariant(decodes + prefills, ids, pos, slots, sample_rows)
         firsts = self._first_blocks([c.start_pos for c in decodes])
@@ -251,6 +242,26 @@ class ModelRunner:
         )
         return input_ids, positions, meta, rows
 
+    @staticmethod
+    def _sample_rows(
+        chunks: list[ScheduledChunk],
+        decodes: list[ScheduledChunk],
+        prefills: list[ScheduledChunk],
+        seqs: list[PrefillSeq],
+    ) -> list[int]:
+        """The rows whose logits the forward returns, in ``chunks`` order: each chunk's last
+        ``num_logit_rows`` rows. Decodes are rows 0.., the prefills (``seqs``) follow."""
+        if not prefills:  # a pure decode step: row i is chunk i, and has one logit row at most
+            return [row for row, c in enumerate(chunks) if c.num_logit_rows]
+        last_row = {id(c): row for row, c in enumerate(decodes)}
+        for c, seq in zip(prefills, seqs, strict=True):
+            last_row[id(c)] = seq.row + seq.num_tokens - 1
+        return [
+            row
+            for c in chunks
+            for row in range(last_row[id(c)] + 1 - c.num_logit_rows, last_row[id(c)] + 1)
+        ]
+
     def _prepare_invariant(
         self,
         chunks: list[ScheduledChunk],
@@ -264,14 +275,14 @@ class ModelRunner:
         position p reduces over the same keys, in the same splits, in a prefill chunk of any
         size and in a decode step, so its output is the same bits (issue 16)."""
         bs, window = self.block_size, self.model_config.sliding_window
-        width = max(-(-(c.start_pos + len(c.token_ids)) // bs) for c in chunks)
-        tables = np.zeros((len(ids), width), dtype=np.int64)
-        row = 0
-        for c in chunks:
-            n = len(c.token_ids)
-            used = -(-(c.start_pos + n) // bs)
-            tables[row : row + n, :used] = c.block_table[:used]
-            row += n
+        # Each chunk's table up to its last position, padded with block 0 to one width (one
+        # conversion for the batch), then one row per token.
+        used = [-(-(c.start_pos + len(c.token_ids)) // bs) for c in chunks]
+        width = max(used)
+        padded = [c.block_table[:n] + [0] * (width - n) for c, n in zip(chunks, used, strict=True)]
+        tables = np.array(padded, dtype=np.int64)
+        if len(chunks) != len(ids):
+            tables = tables.repeat([len(c.token_ids) for c in chunks], axis=0)
         host_pos = np.array(pos, dtype=np.int64)
         ends = host_pos + 1
         starts = np.zeros_like(ends) if window is None else np.maximum(ends - window, 0)
@@ -359,15 +370,19 @@ class ModelRunner:
             mask=mask,
         )
 
-    def _check(self, c: ScheduledChunk) -> None:
-        end = c.start_pos + len(c.token_ids)
-        if not c.token_ids or len(c.block_table) * self.block_size < end:
-            raise ValueError(
-                f"request {c.request_id}: block table of {len(c.block_table)} blocks "
-                f"does not cover positions [0, {end})"
-            )
-        if min(c.block_table) < 0 or max(c.block_table) >= self.num_blocks:
-            raise ValueError(f"request {c.request_id}: block id outside [0, {self.num_blocks})")
+    def _check(self, chunks: list[ScheduledChunk]) -> None:
+        """Every chunk has tokens, and a block table that covers them with ids in the pool."""
+        bs, num_blocks = self.block_size, self.num_blocks
+        for c in chunks:
+            table = c.block_table
+            end = c.start_pos + len(c.token_ids)
+            if not c.token_ids or len(table) * bs < end:
+                raise ValueError(
+                    f"request {c.request_id}: block table of {len(table)} blocks "
+                    f"does not cover positions [0, {end})"
+                )
+            if min(table) < 0 or max(table) >= num_blocks:
+                raise ValueError(f"request {c.request_id}: block id outside [0, {num_blocks})")
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -55,6 +55,10 @@ class RequestStatus(enum.Enum):
     FAILED = "failed"
     REJECTED = "rejected"
 
+    # Members are singletons: identity hashes them as well as Enum's hash of the name, which
+    # is Python code (statuses are looked up in sets several times per sequence per step).
+    __hash__ = object.__hash__
+
     @property
     def is_terminal(self) -> bool:
         return self in _TERMINAL

@@ -37,6 +37,9 @@ from engine.request import (
 )
 
 S = RequestStatus
+# A running request computes tokens this step unless it ended, its client is behind, or its
+# KV is still arriving.
+_STEPPING = frozenset(s for s in S if not s.is_terminal) - {S.BACKPRESSURED, S.WAITING_FOR_KV}
 
 
 class Scheduler:
@@ -204,14 +207,14 @@ class Scheduler:
         planned: list[Request] = []
         num_tokens = 0
         for req in self._running:
-            if not req.is_finished and req.status not in (S.BACKPRESSURED, S.WAITING_FOR_KV):
+            if req.status in _STEPPING:
                 n = self._chunk_size(req, len(plan), num_tokens)
                 if n:
                     plan[req.request_id] = n
                     planned.append(req)
                     num_tokens += n
         # Drafts only from the budget the real tokens left: a guess never delays a token.
-        for req in planned:
+        for req in planned if self.drafter is not None else ():
             drafted = self._draft(req, plan[req.request_id], num_tokens)
             plan[req.request_id] += drafted
             num_tokens += drafted

@@ -119,3 +119,17 @@ def test_stream_equals_full_decode_on_a_second_pass_through_the_memo(
         assert "".join(pieces) + stream.finish() == expected
         detok = IncrementalDetokenizer(tok)
         assert "".join(detok.push(i) for i in ids) + detok.flush() == expected
+
+
+def test_a_decode_inside_a_block_still_caches_full_blocks_an_import_left_unhashed() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    r = req("r", list(range(1, 10)))
+    assert kv.allocate_slots(r, 9, cache=False) == [0, 1, 2]  # imported KV: not cached yet
+    r.num_computed_tokens = 9
+    assert kv.pool.block_hash(0) is None and kv.pool.block_hash(1) is None
+    r.output_token_ids.append(10)
+    assert kv.allocate_slots(r, 1) == []  # position 9: inside the last block
+    assert kv.pool.block_hash(0) is not None and kv.pool.block_hash(1) is not None
+    assert kv.pool.block_hash(2) is None
+    kv.free("r")
+    kv.check_idle()
