@@ -16,7 +16,8 @@ None, logs why once, and callers keep the pure-PyTorch path.
   native bf16 GEMM (used by ``engine.model.Linear`` whenever it builds).
 * ``portable_math`` -- the float math whose bits must not depend on the CPU: the sampler's
   row sums (one fixed order on any thread count), exp and log, and RoPE's cos and sin (PyTorch's
-  go to MKL, which picks its code by CPU vendor): ``engine.sampler``, ``engine.model``.
+  go to MKL, which picks its code by CPU vendor): ``engine.sampler``, ``engine.model``; and the
+  sampler's whole temperature + top_p draw, one row at a time in cache (``sample_top_p``).
 * ``token_bitmask`` -- a grammar's token bitmask applied to the logits as it is, without
   unpacking it (structured outputs: ``engine.structured.ban_disallowed``).
 """
@@ -46,7 +47,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     "skinny_linear": ("skinny_linear",),
     "invariant_linear": ("invariant_linear", "pack_linear", "invariant_layouts"),
     "token_bitmask": ("apply_token_bitmask",),
-    "portable_math": ("row_sum", "portable_exp", "portable_log", "cos_sin"),
+    "portable_math": ("row_sum", "portable_exp", "portable_log", "cos_sin", "sample_top_p"),
     "int8_linear": ("int8_linear", "pack_int8", "int8_path", "int8_path_supported"),
 }
 # Shared sources (csrc/<header>) put ahead of a kernel's own text, so that editing one rebuilds
@@ -184,6 +185,18 @@ def row_sum(x: Tensor) -> Tensor | None:
     if ext is None:
         return None
     out: Tensor = ext.row_sum(x.contiguous())
+    return out
+
+
+def sample_top_p(z: Tensor, temperatures: Tensor, top_p: Tensor, uniforms: Tensor) -> Tensor | None:
+    """One token per row of float32 CPU ``z`` ``[R, V]``: the sampler's tempered softmax, top_p
+    mask (rows with top_p < 1), renormalisation and inverse-CDF draw, as its torch path computes
+    them, in one pass per row (engine/csrc/portable_math.cpp). -1 for a row holding NaN or +inf
+    or only -inf; None where the kernel is not available."""
+    ext = load("portable_math")
+    if ext is None:
+        return None
+    out: Tensor = ext.sample_top_p(z.contiguous(), temperatures, top_p, uniforms)
     return out
 
 

@@ -392,6 +392,17 @@ class Sampler:
     def _sample(self, logits: Tensor, states: Sequence[SamplingState]) -> Tensor:
         """Temperature, truncation filters, then one inverse-CDF draw per row."""
         params = [s.params for s in states]
+        uniforms = [uniform(s.seed, s.choice, len(s.history.output)) for s in states]
+        if _portable(logits) and all(_top_p_only(p, self.vocab_size) for p in params):
+            # The common sampled kind, in one native pass per row: the same bits as below.
+            tokens = kernels.sample_top_p(
+                logits,
+                torch.tensor([p.temperature for p in params], dtype=torch.float32),
+                torch.tensor([p.top_p for p in params], dtype=torch.float64),
+                torch.tensor(uniforms, dtype=torch.float32),
+            )
+            if tokens is not None and not bool((tokens < 0).any()):
+                return tokens
         probs = _tempered_probs(logits, [p.temperature for p in params])
         for mask, value, enabled in _FILTERS:
             rows = [i for i, p in enumerate(params) if enabled(p, self.vocab_size)]
@@ -401,7 +412,14 @@ class Sampler:
                 index = torch.tensor(rows, device=probs.device)
                 sub = probs[index]
                 probs[index] = _renormalise(sub, mask(sub, [value(params[i]) for i in rows]))
-        return _draw(probs, [uniform(s.seed, s.choice, len(s.history.output)) for s in states])
+        return _draw(probs, uniforms)
+
+
+def _top_p_only(params: SamplingParams, vocab: int) -> bool:
+    """Whether the row's only truncation filter, if any, is top_p."""
+    return not any(
+        enabled(params, vocab) for mask, _, enabled in _FILTERS if mask is not top_p_mask
+    )
 
 
 def _apply_grammars(logits: Tensor, states: Sequence[SamplingState]) -> None:

@@ -24,10 +24,13 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <vector>
 
 namespace {
 
@@ -150,6 +153,21 @@ void cos_sin_one(float xf, float* c, float* s) {
   *s = static_cast<float>(sq);
 }
 
+// One row's sum in the fixed order of the header: element i into accumulator i % 8 (whole
+// groups of 8), the rest into a tail, combined in a fixed tree.
+float sum_row(const float* p, int64_t cols) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= cols; i += 8) {
+    for (int k = 0; k < 8; ++k) acc[k] += static_cast<double>(p[i + k]);
+  }
+  double tail = 0;
+  for (; i < cols; ++i) tail += static_cast<double>(p[i]);
+  const double body =
+      ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  return static_cast<float>(body + tail);
+}
+
 void check_float(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(), name,
               " takes a contiguous float32 CPU tensor");
@@ -198,18 +216,146 @@ at::Tensor row_sum(at::Tensor x) {
   const float* in = x.data_ptr<float>();
   float* sums = out.data_ptr<float>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) sums[r] = sum_row(in + r * cols, cols);
+  });
+  return out;
+}
+
+// -- the sampler's draw (engine/sampler.py: _tempered_probs, top_p_mask, _renormalise, _draw) --
+
+namespace {
+
+// sum_row of x[0..cols) where only the entries at ``at`` (ascending) may be nonzero: adding
+// +0.0 changes no accumulator, so skipping the others is exact.
+float sparse_row_sum(const float* x, const std::vector<int32_t>& at, int64_t cols) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  double tail = 0;
+  const int64_t body_end = cols - cols % 8;
+  for (const int32_t i : at) {
+    if (i < body_end) {
+      acc[i % 8] += static_cast<double>(x[i]);
+    } else {
+      tail += static_cast<double>(x[i]);
+    }
+  }
+  const double body =
+      ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  return static_cast<float>(body + tail);
+}
+
+// A token's place in the stable descending sort as one integer: larger is earlier (more
+// probable, or as probable with a smaller id; the bits of p >= 0 order as its values).
+inline uint64_t rank_key(const float* p, int64_t i) {
+  return (static_cast<uint64_t>(to_bits(p[i])) << 32) | (0xffffffffu - static_cast<uint32_t>(i));
+}
+
+// top_p_mask's keep set of probabilities p[0..cols) (ascending ids): the smallest prefix of the
+// stable descending order whose float64 cumulative mass reaches target, by the same additions
+// and comparisons. Candidates are every token at least as probable as a threshold -- always a
+// prefix of that order -- chosen from a histogram of the float bits (monotone in the value for
+// p >= 0), lowered until their mass reaches the target, at worst to the whole row.
+std::vector<int32_t> top_p_keep(const float* p, int64_t cols, double target) {
+  constexpr int kShift = 20;  // 2^11 buckets: the exponent and 3 mantissa bits
+  constexpr int kBuckets = 1 << 11;
+  std::vector<double> mass(kBuckets, 0.0);
+  for (int64_t i = 0; i < cols; ++i) mass[to_bits(p[i]) >> kShift] += p[i];
+  const double threshold = target - 1e-6;  // engine/sampler.py's _MASS_TOL
+  std::vector<uint64_t> cand;
+  std::vector<int32_t> keep;
+  int bucket = kBuckets;
+  double guess = 0;
+  while (true) {
+    // Lower the threshold bucket until the guessed mass clears the target by a margin (and by
+    // one bucket more each time the candidates still fell short).
+    if (bucket > 0) guess += mass[--bucket];
+    while (bucket > 0 && !(guess >= target + 1e-4)) guess += mass[--bucket];
+    cand.clear();
+    for (int64_t i = 0; i < cols; ++i) {
+      if (static_cast<int>(to_bits(p[i]) >> kShift) >= bucket) cand.push_back(rank_key(p, i));
+    }
+    std::sort(cand.begin(), cand.end(), std::greater<uint64_t>());
+    keep.clear();
+    double total = 0;
+    for (size_t j = 0; j < cand.size(); ++j) {
+      const int32_t id = static_cast<int32_t>(0xffffffffu - static_cast<uint32_t>(cand[j]));
+      const double pj = p[id];
+      total += pj;
+      if (j == 0 || total - pj < threshold) keep.push_back(id);
+    }
+    if (!(total < threshold) || bucket == 0) break;  // reached, or the whole row
+  }
+  std::sort(keep.begin(), keep.end());
+  return keep;
+}
+
+// _draw's token for probabilities q nonzero only at ``at`` (ascending): cdf_i is the float of
+// the running float64 sum (torch's float cumsum), total its last value, x = u * total; the
+// first i with cdf_i > x, capped at the first with cdf_i >= total (the last positive token).
+int64_t draw(const float* q, const std::vector<int32_t>& at, int64_t cols, float u) {
+  double acc = 0;
+  for (const int32_t i : at) acc += static_cast<double>(q[i]);
+  const float total = static_cast<float>(acc);
+  const float x = u * total;
+  int64_t index = cols, last = 0.0f >= total ? 0 : cols;
+  acc = 0;
+  for (const int32_t i : at) {
+    acc += static_cast<double>(q[i]);
+    const float cdf = static_cast<float>(acc);
+    if (index == cols && cdf > x) index = i;
+    if (last == cols && cdf >= total) last = i;
+    if (index != cols && last != cols) break;
+  }
+  return std::min(index, last);
+}
+
+}  // namespace
+
+// One token per row of float32 z [R, V]: softmax(z / T) as _tempered_probs computes it, top_p's
+// mask and renormalisation where top_p < 1, and the inverse-CDF draw at u -- the operations of
+// engine/sampler.py's torch path, in the same order, each row in cache. temps and uniforms
+// float32 [R], top_p float64 [R]. -1 for a row holding NaN or +inf, or only -inf (the torch path
+// takes those).
+at::Tensor sample_top_p(at::Tensor z, at::Tensor temps, at::Tensor top_p, at::Tensor uniforms) {
+  check_float(z, "sample_top_p");
+  TORCH_CHECK(z.dim() == 2, "sample_top_p takes a [R, V] tensor");
+  const int64_t rows = z.size(0), cols = z.size(1);
+  TORCH_CHECK(temps.numel() == rows && top_p.numel() == rows && uniforms.numel() == rows,
+              "sample_top_p: one temperature, top_p and uniform per row");
+  at::Tensor t = temps.contiguous().to(at::kFloat), u = uniforms.contiguous().to(at::kFloat);
+  at::Tensor tp = top_p.contiguous().to(at::kDouble);
+  at::Tensor out = at::empty({rows}, z.options().dtype(at::kLong));
+  const float* zp = z.data_ptr<float>();
+  const float* tv = t.data_ptr<float>();
+  const float* uv = u.data_ptr<float>();
+  const double* pv = tp.data_ptr<double>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(cols);
+    std::vector<int32_t> all(cols);
+    for (int64_t i = 0; i < cols; ++i) all[i] = static_cast<int32_t>(i);
     for (int64_t r = begin; r < end; ++r) {
-      const float* p = in + r * cols;
-      double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-      int64_t i = 0;
-      for (; i + 8 <= cols; i += 8) {
-        for (int k = 0; k < 8; ++k) acc[k] += static_cast<double>(p[i + k]);
+      const float* x = zp + r * cols;
+      float m = -std::numeric_limits<float>::infinity();
+      bool nan = false;
+      for (int64_t i = 0; i < cols; ++i) {
+        nan |= x[i] != x[i];
+        m = x[i] > m ? x[i] : m;
       }
-      double tail = 0;
-      for (; i < cols; ++i) tail += static_cast<double>(p[i]);
-      const double body = ((acc[0] + acc[4]) + (acc[1] + acc[5])) +
-                          ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-      sums[r] = static_cast<float>(body + tail);
+      if (nan || !std::isfinite(m)) {
+        o[r] = -1;
+        continue;
+      }
+      for (int64_t i = 0; i < cols; ++i) p[i] = exp_one((x[i] - m) / tv[r]);
+      const float s = sum_row(p.data(), cols);
+      for (int64_t i = 0; i < cols; ++i) p[i] = p[i] / s;
+      if (pv[r] < 1.0) {
+        const std::vector<int32_t> keep = top_p_keep(p.data(), cols, pv[r]);
+        const float kept = sparse_row_sum(p.data(), keep, cols);
+        for (const int32_t i : keep) p[i] = p[i] / kept;
+        o[r] = draw(p.data(), keep, cols, uv[r]);
+      } else {
+        o[r] = draw(p.data(), all, cols, uv[r]);
+      }
     }
   });
   return out;

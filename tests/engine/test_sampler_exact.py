@@ -18,6 +18,7 @@ from engine.sampler import (
     Sampler,
     SamplingState,
     _draw,
+    _tempered_probs,
     log_softmax,
     row_sum,
     token_logprobs,
@@ -232,3 +233,83 @@ def test_top_p_keeps_what_a_full_stable_sort_keeps(seed: int) -> None:
     probs = torch.softmax(logits, -1)
     p = [[1e-9, 0.1, 0.5, 0.9, 0.95, 0.999, 1.0][(seed + i) % 7] for i in range(rows)]
     assert torch.equal(top_p_mask(probs, p), full_sort_top_p(probs, p))
+
+
+def sampled_rows(seed: int) -> tuple[torch.Tensor, list[SamplingState]]:
+    """Logits and states of rows the native draw takes: bf16-rounded logits (ties), a row of
+    ties only, rows half -inf (a grammar's or a bias's bans), temperatures from sharp to flat,
+    top_p from tiny to off, and seeds whose draws include a uniform of 0."""
+    g = torch.Generator().manual_seed(seed)
+    rows, vocab = 1 + seed % 9, [40, 300, 5000, 49152][seed % 4]
+    spread = [0.3, 1.0, 4.0, 12.0][(seed // 4) % 4]
+    logits = (torch.randn(rows, vocab, generator=g) * spread).bfloat16().float()
+    if seed % 5 == 0:
+        logits[0] = 1.5
+    if seed % 7 == 0:
+        logits[-1, : vocab // 2] = float("-inf")
+    states = []
+    for i in range(rows):
+        params = SamplingParams(
+            temperature=[0.1, 0.8, 1.0, 1.7][(seed + i) % 4],
+            top_p=[1e-9, 0.1, 0.5, 0.9, 0.95, 0.999, 1.0][(seed + i) % 7],
+            seed=seed * 10 + i,
+        )
+        states.append(SamplingState.create(params, [1], [7] * (i % 3), seed=seed * 10 + i))
+    return logits, states
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_the_native_draw_gives_the_torch_paths_tokens(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Temperature and top_p rows are drawn by one native pass per row (``sample_top_p``): the
+    same tokens as the torch path (the tempered softmax, top_p's mask, the renormalisation and
+    the inverse CDF), which is what the sampler runs without the kernel."""
+    logits, states = sampled_rows(seed)
+    calls: list[int] = []
+    real = kernels.sample_top_p
+
+    def spy(z: torch.Tensor, *args: torch.Tensor) -> torch.Tensor | None:
+        calls.append(z.shape[0])
+        return real(z, *args)
+
+    monkeypatch.setattr(kernels, "sample_top_p", spy)
+    sampler = Sampler(logits.shape[1])
+    native = sampler(logits, states).token_ids
+    assert calls == [len(states)]
+    monkeypatch.setattr(kernels, "sample_top_p", lambda *_: None)
+    assert sampler(logits, states).token_ids == native
+
+
+def test_rows_the_native_draw_refuses_take_the_torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A row holding NaN or +inf, or only -inf, comes back -1 from the kernel, and the whole
+    batch is drawn by the torch path instead; top_k, min_p and typical rows never reach it."""
+    logits, states = sampled_rows(3)
+    rows = len(states)
+    nan, inf, banned = logits.clone(), logits.clone(), logits.clone()
+    nan[0, 1], inf[rows - 1, 2], banned[0] = float("nan"), float("inf"), float("-inf")
+    knobs = torch.ones(rows), torch.full((rows,), 0.9, dtype=torch.float64), torch.zeros(rows)
+    for z, row in ((nan, 0), (inf, rows - 1), (banned, 0)):
+        assert kernels.sample_top_p(z, *knobs)[row].item() == -1
+    sampler = Sampler(logits.shape[1])
+    native = sampler(inf, states).token_ids
+    monkeypatch.setattr(kernels, "sample_top_p", lambda *_: None)
+    assert sampler(inf, states).token_ids == native
+    calls: list[int] = []
+    monkeypatch.setattr(kernels, "sample_top_p", lambda *_: calls.append(1))
+    for other in ({"top_k": 5}, {"min_p": 0.1}, {"typical_p": 0.9}):
+        params = SamplingParams(temperature=1.0, top_p=0.9, seed=1, **other)  # type: ignore[arg-type]
+        sampler(logits[:1], [SamplingState.create(params, [1], [], seed=1)])
+    assert calls == []
+
+
+def test_a_native_draw_on_a_cdf_step_goes_past_it_as_searchsorted_right() -> None:
+    """u * total equal to a cdf value draws the next token (torch's ``searchsorted(right=True)``),
+    at u = 0 the first positive one, and near 1 never a trailing zero-probability one."""
+    z = t([[0.0, 0.0, float("-inf"), float("-inf")]] * 3 + [[float("-inf"), 0.0, 0.0, 0.0]])
+    us = torch.tensor([0.5, 0.0, 0.99999994, 0.0])
+    knobs = torch.ones(4), torch.ones(4, dtype=torch.float64)
+    native = kernels.sample_top_p(z, knobs[0], knobs[1], us)
+    assert native is not None and native.tolist() == [1, 0, 1, 1]
+    probs = _tempered_probs(z, [1.0] * 4)
+    assert _draw(probs, us.tolist()).tolist() == native.tolist()
