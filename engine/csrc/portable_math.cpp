@@ -155,6 +155,12 @@ void cos_sin_one(float xf, float* c, float* s) {
 
 // One row's sum in the fixed order of the header: element i into accumulator i % 8 (whole
 // groups of 8), the rest into a tail, combined in a fixed tree.
+inline float combine(const double* acc, double tail) {
+  const double body =
+      ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+  return static_cast<float>(body + tail);
+}
+
 float sum_row(const float* p, int64_t cols) {
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
@@ -163,9 +169,7 @@ float sum_row(const float* p, int64_t cols) {
   }
   double tail = 0;
   for (; i < cols; ++i) tail += static_cast<double>(p[i]);
-  const double body =
-      ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-  return static_cast<float>(body + tail);
+  return combine(acc, tail);
 }
 
 void check_float(const at::Tensor& x, const char* name) {
@@ -238,9 +242,7 @@ float sparse_row_sum(const float* x, const std::vector<int32_t>& at, int64_t col
       tail += static_cast<double>(x[i]);
     }
   }
-  const double body =
-      ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-  return static_cast<float>(body + tail);
+  return combine(acc, tail);
 }
 
 // A token's place in the stable descending sort as one integer: larger is earlier (more
