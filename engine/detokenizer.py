@@ -49,6 +49,20 @@ class _TokenMemo:
         # decode(ids) == the ids' bytes joined, decoded (if valid), a leading " " stripped when
         # ``strips_space``: then the detokenizer may join bytes instead of decoding.
         self.joins_bytes, self.strips_space = _joins_bytes(tokenizer)
+        # Where bytes join: each id's text when it arrives with nothing pending (None: dropped,
+        # a byte token, or bytes that are no whole characters on their own), so the common
+        # token is one list lookup (IncrementalDetokenizer.push).
+        self.alone: list[str | None] = (
+            [self._alone(i) for i in ids] if self.joins_bytes else [None] * len(ids)
+        )
+
+    def _alone(self, token_id: int) -> str | None:
+        if self._dropped[token_id] or token_id in self._tok.byte_token_ids:
+            return None
+        try:
+            return self._bytes[token_id].decode()
+        except UnicodeDecodeError:
+            return None
 
     def piece(self, token_id: int) -> bytes:
         """The bytes a kept id adds to the text (:func:`engine.tokenizer.tokens_bytes`)."""
@@ -132,6 +146,14 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Add one sampled id; return the text that became final ("" while held back)."""
         self.num_tokens += 1
+        alone = self._memo.alone
+        text = alone[token_id] if 0 <= token_id < len(alone) else None
+        if text is not None and self._read == len(self._ids) and not self._strip:
+            # Nothing pending and whole characters: what _join releases, without the join.
+            self._ids.append(token_id)
+            self._prefix, self._read = self._read, self._read + 1
+            self.num_stable_tokens = self.num_tokens
+            return text
         if self._memo.dropped(token_id):
             if self._read == len(self._ids):
                 self.num_stable_tokens = self.num_tokens
@@ -273,6 +295,7 @@ class TextStream:
     ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer)
         self._stop = StopStringChecker(stop, include_stop_str_in_output)
+        self._plain = not stop  # no stop strings: all stable text is emitted as it comes
         # (characters fed to the stop checker, ids fully detokenised by then), oldest first:
         # once the checker has released that many characters, those ids are fully emitted.
         self._marks: deque[tuple[int, int]] = deque()
@@ -323,6 +346,10 @@ class TextStream:
         return out
 
     def _feed(self, text: str) -> str:
+        if self._plain:  # what the marks below come to when the checker holds nothing back
+            self.num_emitted = self._detok.num_stable_tokens
+            self._pieces.append(text)
+            return text
         self._chars_fed += len(text)
         stable = self._detok.num_stable_tokens
         if stable > (self._marks[-1][1] if self._marks else self.num_emitted):

@@ -349,6 +349,24 @@ def test_stream_holds_possible_stop_prefix_and_num_emitted_lags(demo_tok: Tokeni
     assert stream.stop_matched is None and stream.num_emitted == stream.num_committed == 4
 
 
+@SETTINGS
+@given(data=st.data(), byte_level=st.booleans())
+def test_a_stream_without_stop_strings_reports_what_the_checker_would(
+    demo_tok: Tokenizer, bl_tok: Tokenizer, data: st.DataObject, byte_level: bool
+) -> None:
+    """The plain stream's short path (no stop strings) against the full one: a stop string no
+    text can contain (a lone surrogate) holds nothing back, so every delta and every
+    ``num_emitted`` must agree, through ``finish``."""
+    tok = bl_tok if byte_level else demo_tok
+    ids = data.draw(id_sequences(tok, byte_fallback=not byte_level))
+    plain, checked = TextStream(tok), TextStream(tok, stop=("\ud800",))
+    for i in ids:
+        assert plain.step(i) == checked.step(i)
+        assert plain.num_emitted == checked.num_emitted
+    assert plain.finish() == checked.finish()
+    assert (plain.num_emitted, plain.text) == (checked.num_emitted, checked.text)
+
+
 def test_stream_finish_flushes_held_text_and_bytes(demo_tok: Tokenizer) -> None:
     ids = [*demo_tok.encode("the", add_special_tokens=False), *byte_ids(demo_tok, "€".encode())]
     stream = TextStream(demo_tok, stop=("€!",))
