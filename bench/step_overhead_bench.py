@@ -75,7 +75,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    names = list(KINDS)
+    names = list(result["runs"])
     forward = [statistics.median(r["forward_ms"] for r in result["runs"][k]) for k in names]
     outside = [statistics.median(r["outside_ms"] for r in result["runs"][k]) for k in names]
     ax.bar(names, forward, label="the model's forward")
@@ -94,10 +94,11 @@ def main() -> int:
     ap.add_argument("--model", default="tiny", help="a demo size, or smollm2")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--kinds", nargs="+", choices=list(KINDS), default=list(KINDS))
     a = ap.parse_args()
     path = ensure_smollm2() if a.model == "smollm2" else ensure_demo_model(a.model)
-    runs: dict[str, list[dict[str, float]]] = {k: [] for k in KINDS}
-    for kind in abba(list(KINDS), 0):
+    runs: dict[str, list[dict[str, float]]] = {k: [] for k in a.kinds}
+    for kind in abba(a.kinds, 0):
         runs[kind].append(measure(path, kind, a.batch, a.steps))
         print(f"[step-overhead] {kind}: {runs[kind][-1]}", file=sys.stderr, flush=True)
     result = {"cpu": cpu_name(), "model": a.model, "batch": a.batch, "runs": runs}
