@@ -305,6 +305,36 @@ def plot(summary: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path)
 
 
+def report(
+    rows: list[dict[str, Any]],
+    idle: list[dict[str, Any]],
+    summary: list[dict[str, Any]],
+    offline_tok_s: dict[int, float],
+) -> None:
+    """Print every run, the CPU by process in each (and idle), then each cell's medians."""
+    print(table(rows))
+    print()
+    print("CPU per output token (ms), by process, in each run:")
+    for r in rows:
+        parts = ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_per_token"].items() if v >= 0.01)
+        print(f"  r{r['round']} {r['server']:<16} {r['requests']:>4} @ {r['rate']:>3}: {parts}")
+    for r in idle:
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in r["ms_per_s"].items() if v >= 0.1)
+        print(f"  r{r['round']} {r['server']:<16} idle, CPU ms/s: {parts}")
+    print()
+    for s in summary:
+        ratio = s["served_over_offline"]
+        versus = (
+            f" = {100 * ratio:.1f}% of offline ({offline_tok_s[s['requests']]:.1f})"
+            if ratio is not None
+            else f", TTFT p50 {s['ttft_p50_ms']:.0f} ms, TPOT p50 {s['tpot_p50_ms']:.1f} ms"
+        )
+        print(
+            f"{s['server']:<16} {s['requests']:>4} @ {s['rate']:>3}: median {s['out_tok_s']:.1f} "
+            f"tok/s{versus}, complete >= {s['complete_min']}/{s['requests']}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory")
@@ -361,27 +391,7 @@ def main() -> None:
                 server.stop()
     offline_tok_s = {n: statistics.median(runs) for n, runs in offline_runs.items()}
     summary = medians(rows, offline_tok_s)
-    print(table(rows))
-    print()
-    print("CPU per output token (ms), by process, in each run:")
-    for r in rows:
-        parts = ", ".join(f"{k} {v:.3f}" for k, v in r["cpu_ms_per_token"].items() if v >= 0.01)
-        print(f"  r{r['round']} {r['server']:<16} {r['requests']:>4} @ {r['rate']:>3}: {parts}")
-    for r in idle:
-        parts = ", ".join(f"{k} {v:.1f}" for k, v in r["ms_per_s"].items() if v >= 0.1)
-        print(f"  r{r['round']} {r['server']:<16} idle, CPU ms/s: {parts}")
-    print()
-    for s in summary:
-        ratio = s["served_over_offline"]
-        versus = (
-            f" = {100 * ratio:.1f}% of offline ({offline_tok_s[s['requests']]:.1f})"
-            if ratio is not None
-            else f", TTFT p50 {s['ttft_p50_ms']:.0f} ms, TPOT p50 {s['tpot_p50_ms']:.1f} ms"
-        )
-        print(
-            f"{s['server']:<16} {s['requests']:>4} @ {s['rate']:>3}: median {s['out_tok_s']:.1f} "
-            f"tok/s{versus}, complete >= {s['complete_min']}/{s['requests']}"
-        )
+    report(rows, idle, summary, offline_tok_s)
     doc = {
         "args": {k: str(v) for k, v in vars(args).items()},
         "offline_tok_s": offline_tok_s,
