@@ -7,7 +7,6 @@ its baseline when every sequence is done.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.batch import ScheduledChunk, SchedulerOutput
@@ -417,15 +416,21 @@ def _step_chunks(draw: st.DrawFn, num_blocks: int) -> list[ScheduledChunk]:
     return chunks
 
 
+@pytest.fixture(scope="module")
+def shared_runner(test_llama: Path) -> ModelRunner:
+    """One runner for the tests that only build a step's inputs or refuse one."""
+    return make_runner(test_llama)
+
+
 @given(data=st.data())
-@settings(
-    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-def test_the_step_indexing_is_each_chunks_own(test_llama: Path, data: st.DataObject) -> None:
+@settings(max_examples=60, deadline=None)
+def test_the_step_indexing_is_each_chunks_own(
+    shared_runner: ModelRunner, data: st.DataObject
+) -> None:
     """The invariant path's indexing for a whole step is what each chunk says alone: rows
     decode-first, every token at its position and slot, each row's table its own chunk's
     blocks up to its position (block 0 after), and the logit rows in chunk order."""
-    runner = _runner(test_llama)
+    runner = shared_runner
     assert runner.paged_rows
     chunks = data.draw(_step_chunks(runner.num_blocks))
     input_ids, positions, meta, rows = runner._prepare(chunks)
@@ -443,6 +448,7 @@ def test_the_step_indexing_is_each_chunks_own(test_llama: Path, data: st.DataObj
     assert meta.decode_blocks.tolist() == [
         c.block_table[:u] + [0] * (width - u) for (c, _), u in zip(tokens, used, strict=True)
     ]
+    assert meta.decode_bounds is not None
     assert meta.decode_bounds.tolist() == [[0] * len(tokens), [p + 1 for _, p in tokens]]
     assert meta.num_decode == len(tokens) and meta.prefills == []
     last = {}
@@ -458,16 +464,11 @@ def test_the_step_indexing_is_each_chunks_own(test_llama: Path, data: st.DataObj
     assert rows.tolist() == want
 
 
-@functools.cache
-def _runner(path: Path) -> ModelRunner:
-    return make_runner(path)
-
-
 def test_a_chunk_without_tokens_or_with_a_block_outside_the_pool_is_refused(
-    test_llama: Path,
+    shared_runner: ModelRunner,
 ) -> None:
     """Named by request, whatever its place in the step (every table checked, as a whole)."""
-    runner = _runner(test_llama)
+    runner = shared_runner
     ok = ScheduledChunk("a", [5], 3, [1], True)
     empty = ScheduledChunk("e", [], 3, [2], True)
     with pytest.raises(ValueError, match="request e: block table of 1 blocks does not cover"):
