@@ -18,8 +18,9 @@
 // * vnni512 (AVX512-VNNI): vpdpbusd multiplies unsigned x bytes by signed weight bytes and adds
 //   each quad to an int32 lane. x is stored offset by 128 (0..254) and each group's 128 * sum_k
 //   q_w is taken off again (pack_int8 keeps those sums).
-// * avx2: the bytes widened to int16 (vpmovsxbw) and multiplied in pairs into int32 (vpmaddwd):
-//   no saturation (vpmaddubsw, the usual AVX2 trick, saturates int16 at 127 * 255 * 2).
+// * avx2: vpmaddubsw on |x| and w given x's sign (vpsignb), then vpmaddwd by ones: a quad's dot
+//   per int32 lane, 4 rows x 16 columns at a time. Both operands within [-127, 127], so its int16
+//   pairs never saturate (the usual offset-x form, 254 * 127 * 2, would).
 // * scalar: plain loops.
 // Columns are only ever partitioned across threads, never the reduction.
 
@@ -161,15 +162,44 @@ TANDEM_TARGET_AVX512 float quantize_group64(const float* x, int8_t* q, bool offs
   }
   return a;
 }
-#endif
 
-bool cpu_has_avx512f() {
-#ifdef TANDEM_X86
-  return __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
+// The same on AVX2, 8 at a time (max_ps, round_ps and min_ps as their 512-bit twins); the int32s
+// narrowed by signed packs (within [-127, 127]: nothing saturates), the offset a flip of each
+// byte's top bit (i + 128 read as unsigned has i's bits but that one).
+TANDEM_TARGET_AVX2 float quantize_group64_avx2(const float* x, int8_t* q, bool offset) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[8];
+  __m256 amax = _mm256_setzero_ps();
+  for (int j = 0; j < 8; ++j) {
+    v[j] = _mm256_loadu_ps(x + 8 * j);
+    amax = _mm256_max_ps(_mm256_andnot_ps(sign, v[j]), amax);
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+  const float a = _mm_cvtss_f32(m4);
+  const __m256 inv = _mm256_set1_ps(a > 0.0f ? 127.0f / a : 0.0f);
+  const __m256 lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  __m256i i[8];
+  for (int j = 0; j < 8; ++j) {
+    __m256 t = _mm256_round_ps(_mm256_mul_ps(v[j], inv),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    t = _mm256_min_ps(_mm256_max_ps(t, lo), hi);
+    i[j] = _mm256_cvtps_epi32(t);
+  }
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int j = 0; j < 8; j += 4) {
+    // packs works per 128-bit lane: the 32 bytes come out as 4-byte runs in lane order, put
+    // back in place by one permute.
+    const __m256i w01 = _mm256_packs_epi32(i[j], i[j + 1]);
+    const __m256i w23 = _mm256_packs_epi32(i[j + 2], i[j + 3]);
+    __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
+    if (offset) b = _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * j), b);
+  }
+  return a;
 }
+#endif
 
 // ---- microkernels: acc[r][0, 64) = sum over kq quads of q_x[r][k] * q_w[k][panel col] ---------
 // xq: rows of quads (int8, or uint8 offset by 128 for vnni512), ldx bytes apart; w: the panel's
@@ -215,26 +245,37 @@ TANDEM_TARGET_VNNI void kernel_vnni(const uint8_t* xq, int64_t ldx, const int8_t
       _mm512_storeu_si512(acc + r * kWidth + 16 * j, a[r][j]);
 }
 
-// One row; per 4 columns a ymm of int32 pairs (k0k1, k2k3 of each column), added up at the end.
-TANDEM_TARGET_AVX2 void kernel_avx2(const int8_t* xq, const int8_t* w, int64_t kq, int32_t* acc) {
-  __m256i a[16];
-  for (int j = 0; j < 16; ++j) a[j] = _mm256_setzero_si256();
-  for (int64_t q = 0; q < kq; ++q) {
-    int32_t quad;
-    std::memcpy(&quad, xq + 4 * q, sizeof(quad));
-    // x's quad as int16, repeated for 4 columns: x0 x1 x2 x3 x0 x1 x2 x3 ...
-    const __m256i xb = _mm256_cvtepi8_epi16(_mm_set1_epi32(quad));
-    const int8_t* wq = w + q * kWidth * 4;
-    for (int j = 0; j < 16; ++j) {
-      const __m256i wv =
-          _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wq + 16 * j)));
-      a[j] = _mm256_add_epi32(a[j], _mm256_madd_epi16(xb, wv));
+// MR rows x the panel's 64 columns, 16 at a time: per 8 columns a ymm of int32 dots, one lane a
+// column. vpmaddubsw multiplies unsigned by signed bytes and adds each pair into int16,
+// saturating; fed |x| and w given x's sign (vpsignb) -- both within [-127, 127]: the quantizer
+// clamps x, pack_int8 refuses a -128 weight -- a pair is at most 2 * 127 * 127 = 32258 and never
+// saturates. vpmaddwd by ones then adds a quad's two pairs into its column's int32.
+template <int MR>
+TANDEM_TARGET_AVX2 void kernel_avx2(const int8_t* xq, int64_t ldx, const int8_t* w, int64_t kq,
+                                    int32_t* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int64_t c0 = 0; c0 < kWidth; c0 += 16) {
+    __m256i a[MR][2];
+    for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+    for (int64_t q = 0; q < kq; ++q) {
+      const int8_t* wq = w + q * kWidth * 4 + c0 * 4;
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32));
+      for (int r = 0; r < MR; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, xq + r * ldx + 4 * q, sizeof(quad));
+        const __m256i xb = _mm256_set1_epi32(quad);
+        const __m256i ax = _mm256_abs_epi8(xb);
+        const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
+        const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
+        a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(p0, ones));
+        a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(p1, ones));
+      }
     }
-  }
-  for (int j = 0; j < 16; ++j) {
-    int32_t pairs[8];
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(pairs), a[j]);
-    for (int c = 0; c < 4; ++c) acc[4 * j + c] = pairs[2 * c] + pairs[2 * c + 1];
+    for (int r = 0; r < MR; ++r) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kWidth + c0), a[r][0]);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kWidth + c0 + 8), a[r][1]);
+    }
   }
 }
 #endif
@@ -278,9 +319,13 @@ void run_rows(Path path, int rows, const void* xq, int64_t ldx, const int8_t* w,
     }
   }
   if (path == Path::kAvx2) {
-    for (int r = 0; r < rows; ++r)
-      kernel_avx2(static_cast<const int8_t*>(xq) + r * ldx, w, kq, acc + r * kWidth);
-    return;
+    const auto* x = static_cast<const int8_t*>(xq);
+    switch (rows) {
+      case 1: return kernel_avx2<1>(x, ldx, w, kq, acc);
+      case 2: return kernel_avx2<2>(x, ldx, w, kq, acc);
+      case 3: return kernel_avx2<3>(x, ldx, w, kq, acc);
+      default: return kernel_avx2<4>(x, ldx, w, kq, acc);
+    }
   }
 #endif
   kernel_scalar(rows, static_cast<const int8_t*>(xq), ldx, w, kq, acc);
@@ -312,6 +357,9 @@ std::vector<torch::Tensor> pack_int8(torch::Tensor qweight) {
   const int64_t n = qweight.size(0), k = qweight.size(1), kq = quads(k), ng = groups(k);
   const int64_t panels = (n + kWidth - 1) / kWidth;
   const torch::Tensor wc = qweight.contiguous();
+  // The avx2 path negates weights (vpsignb): -128 has no int8 negation.
+  TORCH_CHECK(n * k == 0 || wc.min().item<int8_t>() > -128,
+              "pack_int8: weights must lie in [-127, 127] (symmetric int8); -128 found");
   torch::Tensor packed = torch::zeros({panels * kq * kWidth * 4}, qweight.options());
   torch::Tensor comp = torch::zeros({ng, n}, qweight.options().dtype(at::kInt));
   const int8_t* src = wc.data_ptr<int8_t>();
@@ -364,7 +412,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   std::vector<int8_t> xq(mp * ldx, 0);
   std::vector<float> x_scale(m * ng);
   const float* xp = xf.data_ptr<float>();
-  const bool vector = cpu_has_avx512f();
+  // Whole groups quantized by the path's own instruction set (so each path's test covers its
+  // quantizer too), the rest by the loop below: the same bits.
+  const Path quantizer = path == Path::kAmx ? Path::kVnni512 : path;
   at::parallel_for(0, m, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* row = xp + r * k;
@@ -372,8 +422,11 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
       for (int64_t g = 0; g < ng; ++g) {
         const int64_t k0 = g * kGroup, k1 = std::min(k, k0 + kGroup);
 #ifdef TANDEM_X86
-        if (vector && k1 - k0 == kGroup) {
-          x_scale[r * ng + g] = quantize_group64(row + k0, q + k0, offset) / 127.0f;
+        if (k1 - k0 == kGroup && quantizer != Path::kScalar) {
+          const float amax = quantizer == Path::kVnni512
+                                 ? quantize_group64(row + k0, q + k0, offset)
+                                 : quantize_group64_avx2(row + k0, q + k0, offset);
+          x_scale[r * ng + g] = amax / 127.0f;
           continue;
         }
 #endif

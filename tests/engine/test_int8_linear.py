@@ -118,3 +118,14 @@ def test_the_auto_path_is_the_fastest_this_cpu_runs_and_others_are_refused() -> 
         kernels.int8_linear(x, packed, sums, s_w, 64, None, "avx1024")
     with pytest.raises(RuntimeError, match="packed size mismatch"):
         kernels.int8_linear(x, packed[:-4], sums, s_w, 64, None)
+
+
+def test_a_weight_of_minus_128_is_refused_at_packing() -> None:
+    """The avx2 path negates weights where x is negative (vpsignb), and -128 has no int8
+    negation: packing refuses it by name rather than serving wrong dots."""
+    q_w = torch.zeros(64, 64, dtype=torch.int8)
+    q_w[5, 7] = -128
+    with pytest.raises(RuntimeError, match=r"\[-127, 127\]"):
+        kernels.pack_int8(q_w)
+    q_w[5, 7] = -127
+    kernels.pack_int8(q_w)
