@@ -245,37 +245,40 @@ TANDEM_TARGET_VNNI void kernel_vnni(const uint8_t* xq, int64_t ldx, const int8_t
       _mm512_storeu_si512(acc + r * kWidth + 16 * j, a[r][j]);
 }
 
-// MR rows x the panel's 64 columns, 16 at a time: per 8 columns a ymm of int32 dots, one lane a
-// column. vpmaddubsw multiplies unsigned by signed bytes and adds each pair into int16,
+// MR rows x the panel's 64 columns, 8 * NJ at a time: per 8 columns a ymm of int32 dots, one
+// lane a column. vpmaddubsw multiplies unsigned by signed bytes and adds each pair into int16,
 // saturating; fed |x| and w given x's sign (vpsignb) -- both within [-127, 127]: the quantizer
 // clamps x, pack_int8 refuses a -128 weight -- a pair is at most 2 * 127 * 127 = 32258 and never
-// saturates. vpmaddwd by ones then adds a quad's two pairs into its column's int32.
-template <int MR>
+// saturates. vpmaddwd by ones then adds a quad's two pairs into its column's int32. One row
+// takes all 64 columns in one pass, reading the panel in order (a decode step streams its
+// weights from memory); more rows take fewer columns per pass, to keep MR * NJ sums in registers.
+template <int MR, int NJ>
 TANDEM_TARGET_AVX2 void kernel_avx2(const int8_t* xq, int64_t ldx, const int8_t* w, int64_t kq,
                                     int32_t* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t c0 = 0; c0 < kWidth; c0 += 16) {
-    __m256i a[MR][2];
-    for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+  for (int64_t c0 = 0; c0 < kWidth; c0 += 8 * NJ) {
+    __m256i a[MR][NJ];
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NJ; ++j) a[r][j] = _mm256_setzero_si256();
     for (int64_t q = 0; q < kq; ++q) {
       const int8_t* wq = w + q * kWidth * 4 + c0 * 4;
-      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq));
-      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32));
+      __m256i wv[NJ];
+      for (int j = 0; j < NJ; ++j)
+        wv[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wq + 32 * j));
       for (int r = 0; r < MR; ++r) {
         int32_t quad;
         std::memcpy(&quad, xq + r * ldx + 4 * q, sizeof(quad));
         const __m256i xb = _mm256_set1_epi32(quad);
         const __m256i ax = _mm256_abs_epi8(xb);
-        const __m256i p0 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, xb));
-        const __m256i p1 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, xb));
-        a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(p0, ones));
-        a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(p1, ones));
+        for (int j = 0; j < NJ; ++j) {
+          const __m256i p = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[j], xb));
+          a[r][j] = _mm256_add_epi32(a[r][j], _mm256_madd_epi16(p, ones));
+        }
       }
     }
-    for (int r = 0; r < MR; ++r) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kWidth + c0), a[r][0]);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kWidth + c0 + 8), a[r][1]);
-    }
+    for (int r = 0; r < MR; ++r)
+      for (int j = 0; j < NJ; ++j)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * kWidth + c0 + 8 * j), a[r][j]);
   }
 }
 #endif
@@ -321,10 +324,10 @@ void run_rows(Path path, int rows, const void* xq, int64_t ldx, const int8_t* w,
   if (path == Path::kAvx2) {
     const auto* x = static_cast<const int8_t*>(xq);
     switch (rows) {
-      case 1: return kernel_avx2<1>(x, ldx, w, kq, acc);
-      case 2: return kernel_avx2<2>(x, ldx, w, kq, acc);
-      case 3: return kernel_avx2<3>(x, ldx, w, kq, acc);
-      default: return kernel_avx2<4>(x, ldx, w, kq, acc);
+      case 1: return kernel_avx2<1, 8>(x, ldx, w, kq, acc);
+      case 2: return kernel_avx2<2, 4>(x, ldx, w, kq, acc);
+      case 3: return kernel_avx2<3, 2>(x, ldx, w, kq, acc);
+      default: return kernel_avx2<4, 2>(x, ldx, w, kq, acc);
     }
   }
 #endif
