@@ -12,13 +12,19 @@ of the disagreement any change of numerics gives this model).
 
 **Speed**, per model: the median decode step at batch 1, 8 and 64, and output tokens/s of
 ``--requests`` x 128 prompt -> 128 output tokens (greedy, ignore_eos, continuous batching);
-bf16 and int8 interleaved A B B A per round. Prints a table, writes
-``bench/results/int8_bench.json`` and ``.png``.
+bf16 and int8 interleaved A B B A per round.
+
+**The GEMM alone** (``--gemm-rows``): ``kernels.int8_linear`` on every path this CPU runs against
+the bf16 invariant GEMM, on one layer's shapes of ``small`` (768 -> 1280, 768 -> 768, 768 ->
+4096, 2048 -> 768), summed; the median of repeated calls on one and on two threads (the weights
+warm in cache: a decode step streams them from memory, so the step figures above are the ones
+that count at few rows). Prints the tables, writes ``bench/results/int8_bench.json`` and ``.png``.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import statistics
@@ -27,9 +33,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from bench.machine import abba, cpu_name
+from engine import kernels
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.quantization import quantize_rows
 from engine.sampling_params import SamplingParams
 from tandem.demo import ensure_demo_model, ensure_smollm2
 
@@ -131,6 +141,60 @@ def speed(model: Path, rounds: int, requests: int) -> dict[str, dict[str, list[f
     return runs
 
 
+GEMM_SHAPES = ((768, 1280), (768, 768), (768, 4096), (2048, 768))  # (K, N): small's layer
+
+
+def gemm(rows: list[int]) -> dict[str, dict[str, list[float]]]:
+    """ms per layer's GEMMs by path ("bf16": the invariant GEMM) -> threads -> one per row count."""
+    layout = kernels.invariant_layouts()[0]
+    paths = kernels.int8_paths()
+    out: dict[str, dict[str, list[float]]] = {p: {} for p in [*paths, "bf16"]}
+    torch.manual_seed(0)
+    weights = []
+    for k, n in GEMM_SHAPES:
+        w = torch.randn(n, k)
+        q_w, s_w = quantize_rows(w)
+        weights.append(
+            (k, n, *kernels.pack_int8(q_w), s_w, kernels.pack_linear(w.bfloat16(), layout))
+        )
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for path in out:
+                times = []
+                for m in rows:
+                    total = 0.0
+                    for k, n, packed, sums, s_w, pb in weights:
+                        x = torch.randn(m, k).bfloat16()
+                        if path == "bf16":
+                            call = functools.partial(
+                                kernels.invariant_linear, x, pb, n, None, layout
+                            )
+                        else:
+                            call = functools.partial(
+                                kernels.int8_linear, x, packed, sums, s_w, n, None, path
+                            )
+                        total += timed(call, 30 if m <= 8 else 10)
+                    times.append(total)
+                out[path][str(threads)] = times
+                log(f"gemm {path} threads {threads}: " + ", ".join(f"{t:.3f}" for t in times))
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def timed(call: Any, reps: int) -> float:
+    """Median ms of ``reps`` calls after one warm-up."""
+    call()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -161,16 +225,28 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def print_gemm(g: dict[str, Any]) -> None:
+    if not g["ms"]:
+        return
+    print("GEMM alone, one layer of small, ms (warm weights):")
+    print(f"{'path':<9}{'threads':>8}" + "".join(f"{f'{m} rows':>10}" for m in g["rows"]))
+    for path, by_threads in g["ms"].items():
+        for threads, times in by_threads.items():
+            print(f"{path:<9}{threads:>8}" + "".join(f"{t:>10.3f}" for t in times))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2", "small"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--gemm-rows", type=int, nargs="*", default=[1, 8, 64])
     a = ap.parse_args()
     paths = {m: ensure_smollm2() if m == "smollm2" else ensure_demo_model(m) for m in a.models}
     result: dict[str, Any] = {"cpu": cpu_name(), "quality": quality(ensure_smollm2()), "speed": {}}
     for name, path in paths.items():
         result["speed"][name] = speed(path, a.rounds, a.requests)
+    result["gemm"] = {"rows": a.gemm_rows, "ms": gemm(a.gemm_rows) if a.gemm_rows else {}}
     q = result["quality"]
     print(f"CPU: {result['cpu']}")
     print(
@@ -192,6 +268,7 @@ def main() -> int:
                 f"{med['step_8']:>8.1f}{med['step_64']:>8.1f}{med['tok_s']:>8.1f}  "
                 + " ".join(f"{v:.0f}" for v in r["tok_s"])
             )
+    print_gemm(result["gemm"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "int8_bench.json").write_text(json.dumps(result, indent=2))
     plot(result, RESULTS / "int8_bench.png")
