@@ -19,8 +19,8 @@
 //   each quad to an int32 lane. x is stored offset by 128 (0..254) and each group's 128 * sum_k
 //   q_w is taken off again (pack_int8 keeps those sums).
 // * avx2: vpmaddubsw on |x| and w given x's sign (vpsignb), then vpmaddwd by ones: a quad's dot
-//   per int32 lane, 4 rows x 16 columns at a time. Both operands within [-127, 127], so its int16
-//   pairs never saturate (the usual offset-x form, 254 * 127 * 2, would).
+//   per int32 lane (see kernel_avx2). Both operands within [-127, 127], so its int16 pairs never
+//   saturate (the usual offset-x form, 254 * 127 * 2, would).
 // * scalar: plain loops.
 // Columns are only ever partitioned across threads, never the reduction.
 
@@ -163,10 +163,10 @@ TANDEM_TARGET_AVX512 float quantize_group64(const float* x, int8_t* q, bool offs
   return a;
 }
 
-// The same on AVX2, 8 at a time (max_ps, round_ps and min_ps as their 512-bit twins); the int32s
-// narrowed by signed packs (within [-127, 127]: nothing saturates), the offset a flip of each
-// byte's top bit (i + 128 read as unsigned has i's bits but that one).
-TANDEM_TARGET_AVX2 float quantize_group64_avx2(const float* x, int8_t* q, bool offset) {
+// The same on AVX2 (signed, no offset: only vnni512 reads x offset), 8 at a time (max_ps,
+// round_ps and min_ps as their 512-bit twins); the int32s narrowed by signed packs (within
+// [-127, 127]: nothing saturates).
+TANDEM_TARGET_AVX2 float quantize_group64_avx2(const float* x, int8_t* q) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 v[8];
   __m256 amax = _mm256_setzero_ps();
@@ -193,8 +193,7 @@ TANDEM_TARGET_AVX2 float quantize_group64_avx2(const float* x, int8_t* q, bool o
     // back in place by one permute.
     const __m256i w01 = _mm256_packs_epi32(i[j], i[j + 1]);
     const __m256i w23 = _mm256_packs_epi32(i[j + 2], i[j + 3]);
-    __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
-    if (offset) b = _mm256_xor_si256(b, _mm256_set1_epi8(static_cast<char>(0x80)));
+    const __m256i b = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), order);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 8 * j), b);
   }
   return a;
@@ -428,7 +427,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
         if (k1 - k0 == kGroup && quantizer != Path::kScalar) {
           const float amax = quantizer == Path::kVnni512
                                  ? quantize_group64(row + k0, q + k0, offset)
-                                 : quantize_group64_avx2(row + k0, q + k0, offset);
+                                 : quantize_group64_avx2(row + k0, q + k0);
           x_scale[r * ng + g] = amax / 127.0f;
           continue;
         }
