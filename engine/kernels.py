@@ -45,16 +45,29 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-e
 KERNELS: dict[str, tuple[str, ...]] = {
     "paged_decode_attention": ("paged_decode_attention",),
     "skinny_linear": ("skinny_linear",),
-    "invariant_linear": ("invariant_linear", "pack_linear", "invariant_layouts"),
+    "invariant_linear": (
+        "invariant_linear",
+        "pack_linear",
+        "invariant_layouts",
+        "attach_spare_pool",
+    ),
     "token_bitmask": ("apply_token_bitmask",),
     "portable_math": ("row_sum", "portable_exp", "portable_log", "cos_sin", "sample_top_p"),
-    "int8_linear": ("int8_linear", "pack_int8", "int8_path", "int8_path_supported"),
+    "int8_linear": (
+        "int8_linear",
+        "pack_int8",
+        "int8_path",
+        "int8_path_supported",
+        "attach_spare_pool",
+    ),
+    "spare_threads": ("set_spare_threads", "spare_stats", "spare_pool_address"),
 }
 # Shared sources (csrc/<header>) put ahead of a kernel's own text, so that editing one rebuilds
 # every kernel that uses it (load_inline keys its build on the source text).
 KERNEL_HEADERS: dict[str, tuple[str, ...]] = {
-    "invariant_linear": ("amx.h",),
-    "int8_linear": ("amx.h",),
+    "invariant_linear": ("amx.h", "spare_threads.h"),
+    "int8_linear": ("amx.h", "spare_threads.h"),
+    "spare_threads": ("spare_threads.h",),
 }
 # Flags after _FLAGS for one kernel: portable_math's bits are its IEEE ops as written.
 KERNEL_FLAGS: dict[str, tuple[str, ...]] = {
@@ -77,7 +90,7 @@ def load(name: str) -> ModuleType | None:
     try:
         from torch.utils.cpp_extension import load_inline
 
-        return load_inline(
+        ext = load_inline(
             name=f"tandem_{name}",
             build_directory=str(build_dir(name)),
             cpp_sources=[
@@ -88,6 +101,10 @@ def load(name: str) -> ModuleType | None:
             extra_cflags=[*_FLAGS, *KERNEL_FLAGS.get(name, ())],
             extra_ldflags=["-fopenmp"],
         )
+        if "attach_spare_pool" in KERNELS[name]:  # one pool of spare threads per process
+            pool = load("spare_threads")
+            ext.attach_spare_pool(0 if pool is None else pool.spare_pool_address())
+        return ext
     except Exception as exc:  # no compiler, no OpenMP, no headers: all mean "use PyTorch"
         log.warning("CPU kernel %s unavailable, using PyTorch: %s", name, exc)
         return None
@@ -239,6 +256,13 @@ def _int8() -> ModuleType:
     return ext
 
 
+def _spare() -> ModuleType:
+    ext = load("spare_threads")
+    if ext is None:
+        raise RuntimeError("the spare-threads extension is not available")
+    return ext
+
+
 def int8_paths() -> list[str]:
     """The int8 GEMM paths this CPU runs (every one gives the same bits)."""
     ext = _int8()
@@ -267,6 +291,22 @@ def int8_linear(
     :func:`int8_paths`."""
     out: Tensor = _int8().int8_linear(x, packed, comp, w_scale, n, bias, path)
     return out
+
+
+def set_spare_threads(n: int, *, delay_us: int = 0) -> None:
+    """Give :func:`int8_linear`'s few-row calls ``n`` spare threads (0: none, the default): helpers
+    at the lowest priority that compute part of the output columns only while a core is otherwise
+    idle (engine/csrc/spare_threads.h). The bits do not change. ``delay_us`` (tests): each helper
+    sleeps that long after taking a chunk, as if it lost its core."""
+    if n < 0 or delay_us < 0:
+        raise ValueError(f"spare threads: n={n} and delay_us={delay_us} must be >= 0")
+    _spare().set_spare_threads(n, delay_us)
+
+
+def spare_stats() -> tuple[int, int, int]:
+    """(spare threads, chunks they computed, chunks the caller took back from a stalled one)."""
+    helpers, helped, taken_back = _spare().spare_stats()
+    return helpers, helped, taken_back
 
 
 if __name__ == "__main__":  # python -m engine.kernels: build them (setup does)

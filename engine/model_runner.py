@@ -6,6 +6,7 @@ the same layout with ``num_host_blocks`` blocks (pinned on CUDA).
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 from collections.abc import Callable
@@ -20,6 +21,8 @@ from engine.config import EngineConfig
 from engine.kv_layout import KVLayout
 from engine.loader import LoadedCheckpoint
 from engine.model import DecoderModel
+
+log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 
@@ -70,6 +73,16 @@ def check_quantization(config: EngineConfig, device: torch.device) -> None:
         )
 
 
+def start_spare_threads(config: EngineConfig, device: torch.device) -> None:
+    """Give this process's few-row GEMMs ``config.spare_threads`` helpers (0: none; one pool per
+    process, so the newest engine's count holds; engine/csrc/spare_threads.h). A hint: where the
+    native kernels do not run (CUDA, no compiler) it is logged and nothing else changes."""
+    if device.type == "cpu" and kernels.load("spare_threads") is not None:
+        kernels.set_spare_threads(config.spare_threads)
+    elif config.spare_threads:
+        log.info("spare_threads=%d ignored: native CPU kernels only", config.spare_threads)
+
+
 def check_kv_cache_dtype(config: EngineConfig, device: torch.device) -> None:
     """Raise ValueError (saying why) where an int8 KV cache cannot run: only the compiled CPU
     attention kernel reads it."""
@@ -107,6 +120,7 @@ class ModelRunner:
         check_deterministic(config, device)
         check_quantization(config, device)
         check_kv_cache_dtype(config, device)
+        start_spare_threads(config, device)
         self.deterministic = config.deterministic
         self.model = DecoderModel(
             mc,

@@ -230,6 +230,13 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--speculative-k", type=int, default=None, help="most draft tokens per step (default 4)"
     )
+    p.add_argument(
+        "--spare-threads",
+        type=int,
+        default=None,
+        help="helpers per engine that compute part of a decode step's GEMMs on idle cores only "
+        "(docs/design.md#spare-threads)",
+    )
 
 
 def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
@@ -239,6 +246,8 @@ def _engine_settings(a: argparse.Namespace) -> dict[str, Any]:
         settings["quantization"] = a.quantization
     if a.kv_cache_dtype:
         settings["kv_cache_dtype"] = a.kv_cache_dtype
+    if a.spare_threads is not None:
+        settings["spare_threads"] = a.spare_threads
     if a.speculative_k is not None and not a.speculative:
         raise ValueError("--speculative-k needs --speculative")
     if a.speculative:

@@ -32,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -54,8 +55,15 @@ constexpr int64_t kGroup = 64;  // k per activation scale (16 quads)
 constexpr int64_t kGroupQuads = kGroup / 4;
 
 constexpr int64_t kTileRows = 16;  // rows per AMX tile
+constexpr int64_t kSpareRows = 16;  // most rows shared with spare threads (spare_threads.h)
 
 enum class Path { kScalar, kAvx2, kVnni512, kAmx };
+
+// x quantized: rows of quads (ldx bytes apart) and a scale per row and group.
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+};
 
 // AMX-INT8 in the CPU, and this process's leave to use the tiles.
 bool cpu_has_amx() {
@@ -411,8 +419,12 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   const bool offset = path == Path::kVnni512;
   // amx reads whole tiles of 16 rows: the rows past m are zeros (their dots are never used).
   const int64_t mp = tiles ? (m + kTileRows - 1) / kTileRows * kTileRows : m;
-  std::vector<int8_t> xq(mp * ldx, 0);
-  std::vector<float> x_scale(m * ng);
+  // Shared with the spare threads' jobs, which may outlive this call (spare_threads.h).
+  auto quantized = std::make_shared<QuantizedX>();
+  std::vector<int8_t>& xq = quantized->q;
+  std::vector<float>& x_scale = quantized->scale;
+  xq.assign(mp * ldx, 0);
+  x_scale.resize(m * ng);
   const float* xp = xf.data_ptr<float>();
   // Whole groups quantized by the path's own instruction set (so each path's test covers its
   // quantizer too), the rest by the loop below: the same bits.
@@ -447,12 +459,62 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
     }
   });
 
-  const int8_t* wp = packed.data_ptr<int8_t>();
   const float* ws = sc.data_ptr<float>();
-  const int32_t* cp = cc.data_ptr<int32_t>();
   uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   const int64_t rows_step = tiles ? kTileRows : kMR;
+  // Rows [r0, r0 + rows) of panel p into acc (rows x kWidth fp32 sums, before the epilogue).
+  // Everything it reads it holds (the spare threads may run it after this call returns).
+  auto panel_sums = [quantized, packed, cc, path, n, kq, ng, ldx, offset, tiles](
+                        int64_t p, int64_t r0, int rows, float* acc, int32_t* dots,
+                        int32_t* comp_cols) {
+    const int64_t n0 = p * kWidth, cols = std::min(kWidth, n - n0);
+    const int8_t* panel = packed.data_ptr<int8_t>() + p * kq * kWidth * 4;
+    const int32_t* cp = cc.data_ptr<int32_t>();
+    std::fill(acc, acc + rows * kWidth, 0.0f);
+    for (int64_t g = 0; g < ng; ++g) {
+      const int64_t q0 = g * kGroupQuads, nq = std::min(kq, q0 + kGroupQuads) - q0;
+      const int8_t* xg = quantized->q.data() + r0 * ldx + 4 * q0;
+#ifdef TANDEM_AMX
+      if (tiles) {
+        kernel_amx(xg, ldx, panel + q0 * kWidth * 4, dots);
+      } else
+#endif
+        run_rows(path, rows, xg, ldx, panel + q0 * kWidth * 4, nq, dots);
+      const int32_t* comp_g = nullptr;
+      if (offset) {
+        std::fill(comp_cols, comp_cols + kWidth, 0);
+        std::copy(cp + g * n + n0, cp + g * n + n0 + cols, comp_cols);
+        comp_g = comp_cols;
+      }
+      for (int r = 0; r < rows; ++r)
+        accumulate(dots + r * kWidth, comp_g, quantized->scale[(r0 + r) * ng + g],
+                   acc + r * kWidth);
+    }
+  };
+  auto write_rows = [&](int64_t p, int64_t r0, int rows, const float* acc) {
+    const int64_t n0 = p * kWidth, cols = std::min(kWidth, n - n0);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t at = (r0 + r) * n + n0;
+      epilogue(acc + r * kWidth, ws + n0, bp != nullptr ? bp + n0 : nullptr, cols,
+               bf16 ? yb + at : nullptr, bf16 ? nullptr : yf + at);
+    }
+  };
+  tandem_spare::Pool* spare = tandem_spare::attached();
+  if (!tiles && m <= kSpareRows && spare != nullptr && spare->size() > 0 &&
+      at::get_num_threads() == 1) {
+    // A few rows (decode): a panel is a chunk, shared with the spare threads (spare_threads.h).
+    auto compute = [panel_sums, m](int64_t p, float* acc) {
+      thread_local std::vector<int32_t> dots(kMR * kWidth), comp_cols(kWidth);
+      for (int64_t r0 = 0; r0 < m; r0 += kMR) {
+        const int rows = static_cast<int>(std::min(kMR, m - r0));
+        panel_sums(p, r0, rows, acc + r0 * kWidth, dots.data(), comp_cols.data());
+      }
+    };
+    spare->run(panels, m * kWidth, compute,
+               [&](int64_t p, const float* acc) { write_rows(p, 0, static_cast<int>(m), acc); });
+    return y;
+  }
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<int32_t> dots(rows_step * kWidth);
     std::vector<int32_t> comp_cols(kWidth);
@@ -461,35 +523,10 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
     if (tiles) tandem_amx::configure();
 #endif
     for (int64_t p = begin; p < end; ++p) {
-      const int64_t n0 = p * kWidth, cols = std::min(kWidth, n - n0);
-      const int8_t* panel = wp + p * kq * kWidth * 4;
       for (int64_t r0 = 0; r0 < m; r0 += rows_step) {
         const int rows = static_cast<int>(std::min(rows_step, m - r0));
-        std::fill(acc.begin(), acc.end(), 0.0f);
-        for (int64_t g = 0; g < ng; ++g) {
-          const int64_t q0 = g * kGroupQuads, nq = std::min(kq, q0 + kGroupQuads) - q0;
-          const int8_t* xg = xq.data() + r0 * ldx + 4 * q0;
-#ifdef TANDEM_AMX
-          if (tiles) {
-            kernel_amx(xg, ldx, panel + q0 * kWidth * 4, dots.data());
-          } else
-#endif
-            run_rows(path, rows, xg, ldx, panel + q0 * kWidth * 4, nq, dots.data());
-          const int32_t* comp_g = nullptr;
-          if (offset) {
-            std::fill(comp_cols.begin(), comp_cols.end(), 0);
-            std::copy(cp + g * n + n0, cp + g * n + n0 + cols, comp_cols.begin());
-            comp_g = comp_cols.data();
-          }
-          for (int r = 0; r < rows; ++r)
-            accumulate(dots.data() + r * kWidth, comp_g, x_scale[(r0 + r) * ng + g],
-                       acc.data() + r * kWidth);
-        }
-        for (int r = 0; r < rows; ++r) {
-          const int64_t at = (r0 + r) * n + n0;
-          epilogue(acc.data() + r * kWidth, ws + n0, bp != nullptr ? bp + n0 : nullptr, cols,
-                   bf16 ? yb + at : nullptr, bf16 ? nullptr : yf + at);
-        }
+        panel_sums(p, r0, rows, acc.data(), dots.data(), comp_cols.data());
+        write_rows(p, r0, rows, acc.data());
       }
     }
 #ifdef TANDEM_AMX
@@ -497,4 +534,9 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
 #endif
   });
   return y;
+}
+
+// Share few-row calls with the process's spare threads (the spare_threads extension's pool).
+void attach_spare_pool(int64_t address) {
+  tandem_spare::attached() = reinterpret_cast<tandem_spare::Pool*>(address);
 }

@@ -48,6 +48,7 @@
 
 namespace {
 
+constexpr int64_t kSpareRows = 16;  // most rows shared with spare threads (spare_threads.h)
 constexpr int64_t kMR = 6;  // rows per microkernel: 6 x 4 zmm (or 6 x 2 ymm) accumulators
 
 constexpr int64_t kPanelPairs = 64;
@@ -195,11 +196,14 @@ TANDEM_TARGET_AMX void kernel_tiles(const uint16_t* x, int64_t ldx, const uint16
 }
 #endif
 
-// fp32 x; the weight as fp32 or bf16 (widened in registers).
+// fp32 x; the weight as fp32 or bf16 (widened in registers). The row loops are unrolled by
+// pragma: the 2 * MR accumulators must live in registers (12 of the 16 ymm), and where GCC chose
+// not to unroll them it kept them on the stack (3x slower, measured).
 template <int MR, bool kBf16W>
 void kernel_fma(const float* x, int64_t ldx, const void* w, int64_t k, float* out) {
 #ifdef TANDEM_AVX2
   __m256 acc[MR][2];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
   const __m256i high = _mm256_set1_epi32(-65536);
   for (int64_t kk = 0; kk < k; ++kk) {
@@ -214,12 +218,14 @@ void kernel_fma(const float* x, int64_t ldx, const void* w, int64_t k, float* ou
       w0 = _mm256_loadu_ps(wf);
       w1 = _mm256_loadu_ps(wf + 8);
     }
+#pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       const __m256 xb = _mm256_broadcast_ss(x + r * ldx + kk);
       acc[r][0] = _mm256_fmadd_ps(xb, w0, acc[r][0]);
       acc[r][1] = _mm256_fmadd_ps(xb, w1, acc[r][1]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) {
     _mm256_storeu_ps(out + r * 16, acc[r][0]);
     _mm256_storeu_ps(out + r * 16 + 8, acc[r][1]);
@@ -343,14 +349,56 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   torch::Tensor y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
   const int64_t elem = static_cast<int64_t>(xs.element_size());
-  const char* xp = static_cast<const char*>(xs.data_ptr());
-  const char* wp = static_cast<const char*>(packed.data_ptr());
   const int64_t panel_bytes = kp * width * static_cast<int64_t>(packed.element_size());
   uint16_t* yb = bf16 ? reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()) : nullptr;
   float* yf = bf16 ? nullptr : y.data_ptr<float>();
   // Rows in blocks whose x stays in L2 (~256 KB) while the thread's panels pass over it.
   const int64_t block_rows =
       std::max<int64_t>(rows_step, (1 << 18) / (kp * elem) / rows_step * rows_step);
+  // The rows of panel p from r0 into tile (rows x width fp32), and from there into y.
+  // Everything it reads it holds (the spare threads may run it after this call returns).
+  auto panel_rows = [xs, packed, kp, elem, panel_bytes, pairs, bf16, tiles](
+                        int64_t p, int64_t r0, int64_t rows, float* tile) {
+    const char* xr = static_cast<const char*>(xs.data_ptr()) + r0 * kp * elem;
+    const char* wr = static_cast<const char*>(packed.data_ptr()) + p * panel_bytes;
+#ifdef TANDEM_AMX
+    if (tiles) {
+      kernel_tiles(reinterpret_cast<const uint16_t*>(xr), kp, reinterpret_cast<const uint16_t*>(wr),
+                   kp, tile);
+      return;
+    }
+#endif
+    run_rows(rows, pairs, bf16, xr, kp, wr, kp, tile);
+  };
+  auto write_rows = [&](int64_t p, int64_t r0, int64_t rows, const float* tile) {
+    const int64_t n0 = p * width, cols = std::min(width, n - n0);
+    const float* bias_cols = bp != nullptr ? bp + n0 : nullptr;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* t = tile + r * width;
+      if (bf16) {
+        epilogue(t, bias_cols, cols, yb + (r0 + r) * n + n0);
+      } else {
+        epilogue(t, bias_cols, cols, yf + (r0 + r) * n + n0);
+      }
+    }
+  };
+  tandem_spare::Pool* spare = tandem_spare::attached();
+  if (!tiles && m <= kSpareRows && spare != nullptr && spare->size() > 0 &&
+      at::get_num_threads() == 1) {
+    // A few rows (decode): 64 columns a chunk, shared with the spare threads (spare_threads.h).
+    const int64_t per = std::max<int64_t>(1, 64 / width), chunks = (panels + per - 1) / per;
+    auto compute = [panel_rows, per, panels, m, rows_step, width](int64_t c, float* out) {
+      const int64_t p0 = c * per, p1 = std::min(panels, p0 + per);
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t r0 = 0; r0 < m; r0 += rows_step)
+          panel_rows(p, r0, std::min(rows_step, m - r0), out + ((p - p0) * m + r0) * width);
+    };
+    spare->run(chunks, per * m * width, compute, [&](int64_t c, const float* out) {
+      const int64_t p0 = c * per, p1 = std::min(panels, p0 + per);
+      for (int64_t p = p0; p < p1; ++p) write_rows(p, 0, m, out + (p - p0) * m * width);
+    });
+    return y;
+  }
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(rows_step * width);
 #ifdef TANDEM_AMX
@@ -359,27 +407,10 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
     for (int64_t b0 = 0; b0 < m; b0 += block_rows) {
       const int64_t b1 = std::min(m, b0 + block_rows);
       for (int64_t p = begin; p < end; ++p) {
-        const int64_t n0 = p * width, cols = std::min(width, n - n0);
-        const float* bias_cols = bp != nullptr ? bp + n0 : nullptr;
         for (int64_t r0 = b0; r0 < b1; r0 += rows_step) {
           const int64_t rows = std::min(rows_step, b1 - r0);
-          const char* xr = xp + r0 * kp * elem;
-          const char* wr = wp + p * panel_bytes;
-#ifdef TANDEM_AMX
-          if (tiles) {
-            kernel_tiles(reinterpret_cast<const uint16_t*>(xr), kp,
-                         reinterpret_cast<const uint16_t*>(wr), kp, tile.data());
-          } else
-#endif
-            run_rows(rows, pairs, bf16, xr, kp, wr, kp, tile.data());
-          for (int64_t r = 0; r < rows; ++r) {
-            const float* t = tile.data() + r * width;
-            if (bf16) {
-              epilogue(t, bias_cols, cols, yb + (r0 + r) * n + n0);
-            } else {
-              epilogue(t, bias_cols, cols, yf + (r0 + r) * n + n0);
-            }
-          }
+          panel_rows(p, r0, rows, tile.data());
+          write_rows(p, r0, rows, tile.data());
         }
       }
     }
@@ -388,4 +419,9 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
 #endif
   });
   return y;
+}
+
+// Share few-row calls with the process's spare threads (the spare_threads extension's pool).
+void attach_spare_pool(int64_t address) {
+  tandem_spare::attached() = reinterpret_cast<tandem_spare::Pool*>(address);
 }

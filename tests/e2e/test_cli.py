@@ -94,6 +94,24 @@ def test_generate_with_int8_gives_that_int8_engines_tokens(
     assert o["token_ids"] == refs[1] != refs[0]
 
 
+def test_generate_with_spare_threads_gives_the_same_tokens(bf16_llama: Path) -> None:
+    """``--spare-threads 2`` (helpers on idle cores, docs/design.md#spare-threads): the tokens of
+    the in-process engine without them; a negative count is a clear error."""
+    args = (
+        "generate", "--model", str(bf16_llama), "--prompt", "Hello world", "--max-tokens", "16",
+        "--ignore-eos", "--json", "--temperature", "1.0", "--seed", "3", "--quantization", "int8",
+    )  # fmt: skip
+    r = run(*args, "--spare-threads", "2")
+    assert r.returncode == 0, r.stderr
+    [o] = json.loads(r.stdout)["outputs"]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+    config = EngineConfig(kv_cache_bytes=256 * 2**20, quantization="int8")
+    [[out]] = LLMEngine.from_checkpoint(bf16_llama, config).generate(["Hello world"], params)
+    assert o["token_ids"] == out.token_ids
+    bad = run(*args, "--spare-threads", "-1")
+    assert bad.returncode == 2 and "spare_threads" in bad.stderr and "Traceback" not in bad.stderr
+
+
 QUOTE = "Repeat this word for word: the meeting moves to Thursday at ten in room four."
 
 

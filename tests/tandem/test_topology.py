@@ -49,9 +49,10 @@ def test_every_example_loads_places_and_says_what_it_is_for(path: Path) -> None:
 
 def test_local_yaml_places_exactly() -> None:
     topology = load_topology(TOPOLOGIES / "local.yaml")
-    engine = EngineConfig(num_threads=1)  # KV and slots left to be sized from the machine
+    # KV and slots left to be sized from the machine; a spare thread each (idle cores only).
+    engine = EngineConfig(num_threads=1, spare_threads=1)
     # The decode workers speculate (exact; docs/benchmarks.md#speculation says where it wins).
-    decode = EngineConfig(num_threads=1, speculative=SpeculativeConfig())
+    decode = EngineConfig(num_threads=1, spare_threads=1, speculative=SpeculativeConfig())
     assert topology.workers() == [
         WorkerSpec("prefill-0", Role.PREFILL, 0, "a", 0.5, 0.0, engine, None, 0.5),
         WorkerSpec("prefill-1", Role.PREFILL, 1, "b", 0.5, 0.0, engine, None, 0.5),
