@@ -55,7 +55,9 @@ constexpr int64_t kGroup = 64;  // k per activation scale (16 quads)
 constexpr int64_t kGroupQuads = kGroup / 4;
 
 constexpr int64_t kTileRows = 16;  // rows per AMX tile
-constexpr int64_t kSpareRows = 16;  // most rows shared with spare threads (spare_threads.h)
+// Most rows shared with spare threads (spare_threads.h): a decode step, or a lone prompt's prefill
+// chunk; past it the helpers' buffer (rows x n floats) grows too large to be worth it.
+constexpr int64_t kSpareRows = 256;
 
 enum class Path { kScalar, kAvx2, kVnni512, kAmx };
 
@@ -503,7 +505,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
   tandem_spare::Pool* spare = tandem_spare::attached();
   if (!tiles && m <= kSpareRows && spare != nullptr && spare->size() > 0 &&
       at::get_num_threads() == 1) {
-    // A few rows (decode): a panel is a chunk, shared with the spare threads (spare_threads.h).
+    // Up to kSpareRows rows: a panel is a chunk, shared with the spare threads (spare_threads.h).
     auto compute = [panel_sums, m](int64_t p, float* acc) {
       thread_local std::vector<int32_t> dots(kMR * kWidth), comp_cols(kWidth);
       for (int64_t r0 = 0; r0 < m; r0 += kMR) {

@@ -48,7 +48,9 @@
 
 namespace {
 
-constexpr int64_t kSpareRows = 16;  // most rows shared with spare threads (spare_threads.h)
+// Most rows shared with spare threads (spare_threads.h): a decode step, or a lone prompt's prefill
+// chunk; past it the helpers' buffer (rows x n floats) grows too large to be worth it.
+constexpr int64_t kSpareRows = 256;
 constexpr int64_t kMR = 6;  // rows per microkernel: 6 x 4 zmm (or 6 x 2 ymm) accumulators
 
 constexpr int64_t kPanelPairs = 64;
@@ -385,7 +387,7 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
   tandem_spare::Pool* spare = tandem_spare::attached();
   if (!tiles && m <= kSpareRows && spare != nullptr && spare->size() > 0 &&
       at::get_num_threads() == 1) {
-    // A few rows (decode): 64 columns a chunk, shared with the spare threads (spare_threads.h).
+    // Up to kSpareRows rows: 64 columns a chunk, shared with the spare threads (spare_threads.h).
     const int64_t per = std::max<int64_t>(1, 64 / width), chunks = (panels + per - 1) / per;
     auto compute = [panel_rows, per, panels, m, rows_step, width](int64_t c, float* out) {
       const int64_t p0 = c * per, p1 = std::min(panels, p0 + per);

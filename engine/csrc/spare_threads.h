@@ -11,9 +11,10 @@
 // * helpers run at SCHED_IDLE, so any ordinary thread on their core goes first;
 // * the caller takes chunks too, from the same counter, so it never waits for a helper to start;
 // * nor for one to finish: a chunk a helper took and stalled on (it lost its core) is computed
-//   again by the caller once nothing has been published for kStallNs, and the first to publish a
-//   chunk (an atomic per chunk) wins. Chunks split only output columns, so whoever computes one,
-//   its bits are the same. A helper computes from what the job owns into the job's buffer, and
+//   again by the caller once nothing has been published for kStallNs (or for four of the
+//   caller's own chunk times, where chunks are longer), and the first to publish a chunk (an
+//   atomic per chunk) wins. Chunks split only output columns, so whoever computes one, its bits
+//   are the same. A helper computes from what the job owns into the job's buffer, and
 //   only the caller writes the output, so the caller may return while a stalled helper still
 //   holds the job: jobs live in a ring of slots, each reused once its last helper has left, and
 //   a call that finds no free slot computes alone.
@@ -23,6 +24,7 @@
 #include <pthread.h>
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -36,7 +38,7 @@
 namespace tandem_spare {
 
 constexpr int64_t kSpinNs = 200000;  // a helper's spin after its last job, before it sleeps
-constexpr int64_t kStallNs = 50000;  // nothing published for this long: the caller takes the rest
+constexpr int64_t kStallNs = 50000;  // nothing published this long (at least): the caller takes the rest
 
 constexpr int kSlots = 4;
 constexpr int64_t kLocked = int64_t{1} << 40;  // taken off a slot's refs while the caller refills it
@@ -145,7 +147,11 @@ class Pool {
       write(i, scratch.data());
       return true;
     };
-    for (int64_t i; (i = job.next.fetch_add(1)) < n;) mine(i);
+    const int64_t start = now_ns();
+    int64_t own = 0;
+    for (int64_t i; (i = job.next.fetch_add(1)) < n; ++own) mine(i);
+    // A stall: nothing published for kStallNs, or for 4 of the caller's own chunks if longer.
+    const int64_t stall = std::max(kStallNs, own > 0 ? 4 * (now_ns() - start) / own : kStallNs);
     int64_t last = job.left.load(), since = now_ns();
     while (last > 0) {
       relax();
@@ -153,7 +159,7 @@ class Pool {
       if (left != last) {
         last = left;
         since = now_ns();
-      } else if (now_ns() - since > kStallNs) {
+      } else if (now_ns() - since > stall) {
         for (int64_t i = 0; i < n; ++i)
           if (job.state[i].load() == kOpen && mine(i)) taken_back_.fetch_add(1);
         last = job.left.load();
