@@ -200,7 +200,8 @@ class EngineConfig(BaseModel):
         description="helper threads that compute part of a few-row (decode) GEMM only while a "
         "core is otherwise idle: the lowest priority (SCHED_IDLE), and the engine's thread takes "
         "back what a helper stalls on, so a lone request's step gets the cores other workers "
-        "leave idle and costs them nothing when they are busy. The same bits either way. CPU "
+        "leave idle; an engine holding more than 8 requests (a busy machine) computes alone. "
+        "The same bits either way. CPU "
         "with the native kernels (int8 and the invariant GEMM); one pool per process; 0: none "
         "(docs/design.md#spare-threads)",
     )

@@ -319,6 +319,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         outputs: list[TokenDelta] = []
         if out.chunks:
+            self.runner.share_spare_threads(len(self._seqs))
             logits = self._take_prompt_logprobs(out.chunks, self.runner.execute(out))
             logits, drafts = draft_rows(out.chunks, logits)
             sampled = self._sample(out.sampled_ids, logits)

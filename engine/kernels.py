@@ -60,7 +60,12 @@ KERNELS: dict[str, tuple[str, ...]] = {
         "int8_path_supported",
         "attach_spare_pool",
     ),
-    "spare_threads": ("set_spare_threads", "spare_stats", "spare_pool_address"),
+    "spare_threads": (
+        "set_spare_threads",
+        "set_spare_sharing",
+        "spare_stats",
+        "spare_pool_address",
+    ),
 }
 # Shared sources (csrc/<header>) put ahead of a kernel's own text, so that editing one rebuilds
 # every kernel that uses it (load_inline keys its build on the source text).
@@ -301,6 +306,12 @@ def set_spare_threads(n: int, *, delay_us: int = 0) -> None:
     if n < 0 or delay_us < 0:
         raise ValueError(f"spare threads: n={n} and delay_us={delay_us} must be >= 0")
     _spare().set_spare_threads(n, delay_us)
+
+
+def set_spare_sharing(on: bool) -> None:
+    """Let the GEMMs share chunks with the spare threads (the default) or not (they compute alone
+    and the helpers sleep): the engine's switch, off while it holds many requests."""
+    _spare().set_spare_sharing(on)
 
 
 def spare_stats() -> tuple[int, int, int]:

@@ -24,6 +24,12 @@ from engine.model import DecoderModel
 
 log = logging.getLogger(__name__)
 
+# Spare threads (engine/csrc/spare_threads.h) help only an engine that holds at most this many
+# requests. A fuller engine's decode batches are many rows, where a helper that gets a core for
+# a moment and loses it mid-chunk makes the step wait: served 64 @ inf lost 3-5% with every batch
+# shared, and is level with this limit (docs/benchmarks.md#spare-threads).
+SPARE_MAX_REQUESTS = 8
+
 Tensor = torch.Tensor
 
 
@@ -73,14 +79,17 @@ def check_quantization(config: EngineConfig, device: torch.device) -> None:
         )
 
 
-def start_spare_threads(config: EngineConfig, device: torch.device) -> None:
+def start_spare_threads(config: EngineConfig, device: torch.device) -> bool:
     """Give this process's few-row GEMMs ``config.spare_threads`` helpers (0: none; one pool per
-    process, so the newest engine's count holds; engine/csrc/spare_threads.h). A hint: where the
-    native kernels do not run (CUDA, no compiler) it is logged and nothing else changes."""
+    process, so the newest engine's count holds; engine/csrc/spare_threads.h); whether any run.
+    A hint: where the native kernels do not run (CUDA, no compiler) it is logged and nothing
+    else changes."""
     if device.type == "cpu" and kernels.load("spare_threads") is not None:
         kernels.set_spare_threads(config.spare_threads)
-    elif config.spare_threads:
+        return config.spare_threads > 0
+    if config.spare_threads:
         log.info("spare_threads=%d ignored: native CPU kernels only", config.spare_threads)
+    return False
 
 
 def check_kv_cache_dtype(config: EngineConfig, device: torch.device) -> None:
@@ -120,7 +129,7 @@ class ModelRunner:
         check_deterministic(config, device)
         check_quantization(config, device)
         check_kv_cache_dtype(config, device)
-        start_spare_threads(config, device)
+        self.spare_threads = start_spare_threads(config, device)
         self.deterministic = config.deterministic
         self.model = DecoderModel(
             mc,
@@ -171,6 +180,12 @@ class ModelRunner:
                 self._workspace_shape(grown), dtype=self._workspace.dtype, device=self.device
             )
         return self._workspace[:, :num_blocks]
+
+    def share_spare_threads(self, live_requests: int) -> None:
+        """Before a step: the spare threads help it only while the engine holds at most
+        :data:`SPARE_MAX_REQUESTS` requests (running or waiting)."""
+        if self.spare_threads:
+            kernels.set_spare_sharing(live_requests <= SPARE_MAX_REQUESTS)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> Tensor:

@@ -503,7 +503,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
     }
   };
   tandem_spare::Pool* spare = tandem_spare::attached();
-  if (!tiles && m <= kSpareRows && spare != nullptr && spare->size() > 0 &&
+  if (!tiles && m <= kSpareRows && spare != nullptr && spare->active() &&
       at::get_num_threads() == 1) {
     // Up to kSpareRows rows: a panel is a chunk, shared with the spare threads (spare_threads.h).
     auto compute = [panel_sums, m](int64_t p, float* acc) {

@@ -385,7 +385,7 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
     }
   };
   tandem_spare::Pool* spare = tandem_spare::attached();
-  if (!tiles && m <= kSpareRows && spare != nullptr && spare->size() > 0 &&
+  if (!tiles && m <= kSpareRows && spare != nullptr && spare->active() &&
       at::get_num_threads() == 1) {
     // Up to kSpareRows rows: 64 columns a chunk, shared with the spare threads (spare_threads.h).
     const int64_t per = std::max<int64_t>(1, 64 / width), chunks = (panels + per - 1) / per;

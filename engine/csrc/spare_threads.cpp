@@ -17,6 +17,9 @@ void set_spare_threads(int64_t n, int64_t delay_us) {
   the_pool().resize(static_cast<int>(n), delay_us);
 }
 
+// Off: the GEMMs compute alone, the helpers sleep (the engine's switch, spare_threads.h).
+void set_spare_sharing(bool on) { the_pool().set_sharing(on); }
+
 // [helpers, chunks a helper computed, chunks the caller took back from a stalled helper].
 std::vector<int64_t> spare_stats() {
   std::vector<int64_t> out{the_pool().size()};

@@ -115,6 +115,12 @@ class Pool {
 
   int size() const { return static_cast<int>(helpers_.size()); }
 
+  // Whether the GEMMs share their chunks now: helpers exist and the engine has not switched
+  // sharing off (it does while it holds many requests: a loaded worker, whose many-row steps
+  // would wait on a helper that got a core for a moment and lost it; engine/model_runner.py).
+  bool active() const { return !helpers_.empty() && sharing_.load(std::memory_order_relaxed); }
+  void set_sharing(bool on) { sharing_.store(on, std::memory_order_relaxed); }
+
   // Chunks computed by a helper, and chunks the caller computed again after a helper stalled.
   std::vector<int64_t> stats() const { return {helped_.load(), taken_back_.load()}; }
 
@@ -235,7 +241,7 @@ class Pool {
   std::atomic<uint64_t> published_{0};  // epoch << 8 | slot of the call running now; 0: none
   uint64_t epoch_count_ = 0;
   std::atomic<int> sleepers_{0};
-  std::atomic<bool> stop_{false};
+  std::atomic<bool> stop_{false}, sharing_{true};
   std::atomic<int64_t> helped_{0}, taken_back_{0};
   int64_t delay_us_ = 0;
 };

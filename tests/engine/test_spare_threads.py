@@ -15,6 +15,7 @@ import torch
 from engine import kernels
 from engine.config import EngineConfig
 from engine.engine import LLMEngine
+from engine.model_runner import SPARE_MAX_REQUESTS
 from engine.quantization import quantize_rows
 from engine.sampling_params import SamplingParams
 from tests.conftest import DemoCkptFactory
@@ -38,6 +39,7 @@ def spare() -> Iterator[Callable[..., None]]:
     torch.set_num_threads(1)
     yield kernels.set_spare_threads
     kernels.set_spare_threads(0)
+    kernels.set_spare_sharing(True)
     torch.set_num_threads(threads)
 
 
@@ -161,6 +163,42 @@ def test_with_several_intra_op_threads_openmp_splits_the_call(spare: Callable[..
         assert same_bits(run("auto"), alone)
         assert same_bits(bf16(), alone_bf16)
     assert kernels.spare_stats()[1] == helped
+
+
+def test_with_sharing_switched_off_the_gemms_compute_alone(spare: Callable[..., None]) -> None:
+    """The engine's switch (a busy engine): off, no helper computes a chunk; on again, they do."""
+    run = int8_case(1, 2048, 8192, seed=5)
+    bf16 = invariant_case(1, 2048, 8192, kernels.invariant_layouts()[-1], seed=5)
+    alone, alone_bf16 = run("auto"), bf16()
+    spare(1)
+    kernels.set_spare_sharing(False)
+    helped = kernels.spare_stats()[1]
+    for _ in range(50):
+        assert same_bits(run("auto"), alone)
+        assert same_bits(bf16(), alone_bf16)
+    assert kernels.spare_stats()[1] == helped
+    kernels.set_spare_sharing(True)
+    helped_with_the_same_bits(lambda: run("auto"), alone)
+
+
+def test_an_engine_shares_only_while_it_holds_few_requests(
+    spare: Callable[..., None], demo_ckpt_factory: DemoCkptFactory
+) -> None:
+    """Past SPARE_MAX_REQUESTS live requests (waiting ones count) the engine's steps compute
+    alone: a full engine means a busy machine, where a helper takes another worker's core."""
+    engine = LLMEngine.from_checkpoint(
+        demo_ckpt_factory("tiny", "llama", dtype="bfloat16"),
+        EngineConfig(dtype="bfloat16", quantization="int8", spare_threads=1, kv_cache_bytes=2**23),
+    )
+    params = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    ids = [engine.add_request(engine.make_request([5, 9, 11 + i], params)) for i in range(9)]
+    assert len(ids) == SPARE_MAX_REQUESTS + 1
+    helped = kernels.spare_stats()[1]
+    for _ in range(30):
+        engine.step()
+    assert kernels.spare_stats()[1] == helped
+    engine.abort(ids[0])
+    assert until(lambda: kernels.spare_stats()[1] > helped, engine.step)
 
 
 def test_resizing_and_bad_counts(spare: Callable[..., None]) -> None:
