@@ -145,10 +145,15 @@ class Service:
             err = APIError(exc.status, exc.message, code=str(exc.code))
             return JSONResponse(err.body(), status_code=exc.status, headers=exc.headers())
         try:
-            return await self._admitted(request, request_id, kind, body, ticket, arrival)
+            response = await self._admitted(request, request_id, kind, body, ticket, arrival)
         except Exception as exc:  # a bug: an error object for the client, the traceback logged
             ticket.release()
-            return error_response(internal_error(exc, request_id))
+            response = error_response(internal_error(exc, request_id))
+        # The response's id on every answer, errors too (whose body has no id): what a client
+        # quotes to find the request in the logs and the workers' records. (Not X-Request-Id:
+        # Ray Serve adds that header with its own id.)
+        response.headers[REQUEST_ID_HEADER] = request_id
+        return response
 
     async def _admitted(
         self,
@@ -246,3 +251,4 @@ async def _disconnect(request: Request) -> None:
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+REQUEST_ID_HEADER = "X-Tandem-Request-Id"

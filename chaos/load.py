@@ -295,6 +295,9 @@ class Sender:
         except openai.APIStatusError as exc:
             outcome.status, outcome.http_status = "error", exc.status_code
             outcome.retry_after = exc.response.headers.get("retry-after")
+            # An error's body has no id; the ingress's header names the response (and so its
+            # attempts) of a request that failed before its first token.
+            outcome.response_id = exc.response.headers.get("x-tandem-request-id")
             outcome.error_type = _error_type(exc.body)
             outcome.error = str(exc)[:300]
         except openai.APIError as exc:  # an error event in a stream, or a broken connection

@@ -139,14 +139,15 @@ def touched_by(outcome: Outcome, attempts: list[Attempt], events: list[FaultEven
     """The faults that touched ``outcome``: one that hit everyone while it was open, or one
     that hit a worker its attempts ran on while it was open (from the fault until the worker
     was back: ``until``). A request whose routing is not
-    known (it failed before a response id) is touched by any fault while it was open."""
+    known (no attempt of it was routed, or it failed before a response id) is touched by any
+    fault while it was open."""
     start, end = outcome.sent or outcome.scheduled, outcome.finished or math.inf
     mine = {w for a in attempts for w in (a.prefill, a.decode) if w}
     out = []
     for e in events:
         if not (start <= (e.until or e.at) and e.at <= end):
             continue
-        if e.everyone or outcome.response_id is None or mine & set(e.workers):
+        if e.everyone or not mine or mine & set(e.workers):
             out.append(fault_tag(e))
     return out
 

@@ -30,11 +30,15 @@ tandem_retry_budget_tokens 0.0
 STATES = {"decode-0": "up", "decode-1": "failed"}
 # How the stand-in answers the pollers: /health's status, and how long a completion takes.
 POLLED = {"health": 200, "completion_s": 0.0}
+REFUSED = b'{"error": {"message": "no replica", "type": "x", "param": null, "code": "failed"}}'
 
 
 class Endpoint(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # /v1/completions: a 1-token answer, after POLLED's delay
-        self.rfile.read(int(self.headers["Content-Length"]))
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        if b'"refuse"' in body:  # as Tandem's ingress fails a request before its first token
+            self._answer(503, REFUSED, {"X-Tandem-Request-Id": "cmpl-refused"})
+            return
         time.sleep(POLLED["completion_s"])
         self._answer(200, b"{}")
 
@@ -49,8 +53,10 @@ class Endpoint(BaseHTTPRequestHandler):
             body = json.dumps({"workers": workers}).encode()
         self._answer(200, body)
 
-    def _answer(self, status: int, body: bytes) -> None:
+    def _answer(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> None:
         self.send_response(status)
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -93,6 +99,13 @@ def test_a_refused_connection_is_an_untyped_error_marked_refused() -> None:
         port = s.getsockname()[1]
     o = send_one(f"http://127.0.0.1:{port}", "m", {"prompt": "p", "max_tokens": 1}, 10.0)
     assert (o.status, o.refused, o.http_status, o.error_type) == ("error", True, None, None)
+
+
+def test_a_request_refused_before_its_first_token_keeps_the_id_the_header_names(url: str) -> None:
+    """An error's body has no id; the ingress's X-Tandem-Request-Id ties the failure to its attempts."""
+    o = send_one(url, "m", {"prompt": "refuse", "max_tokens": 1}, 10.0)
+    assert (o.status, o.http_status, o.error_type) == ("error", 503, "failed")
+    assert o.response_id == "cmpl-refused"
 
 
 def test_each_poller_counts_what_its_path_answered_and_times_the_outage(url: str) -> None:

@@ -102,6 +102,11 @@ def test_a_request_is_touched_by_faults_on_its_workers_or_on_everyone_while_open
         "kill_worker#7"
     ]
     assert touched_by(unknown, [], [other]) == []
+    # Refused with its id (the ingress's X-Tandem-Request-Id) but never routed: still unknown routing.
+    unrouted = Outcome(2, scheduled=9.0, sent=10.0, finished=11.0, response_id="cmpl-y")
+    assert touched_by(unrouted, [], [FaultEvent("kill_worker", 10.5, ["decode-0"], number=8)]) == [
+        "kill_worker#8"
+    ]
 
 
 def test_timeline_bins_tokens_errors_and_ttft_from_the_scheduled_send() -> None:

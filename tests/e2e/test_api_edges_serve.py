@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -134,6 +135,32 @@ def test_a_timeout_past_a_day_is_a_400(server: str) -> None:
     assert r.status_code == 400
     msg = "invalid value for 'timeout' (1e+300): Input should be less than or equal to 86400"
     assert r.json() == error(msg, "invalid_request_error", None, "timeout")
+
+
+def test_every_answer_names_its_response_in_x_request_id(url: str) -> None:
+    """The response's id in a header on every answer -- an error's body has none, and a client
+    quotes it to find the request in the logs -- through the replica and through Serve's proxy."""
+    ok = {"model": MODEL, "prompt": "x", "max_tokens": 2, "ignore_eos": True}
+    r = completion(url, ok)
+    assert r.status_code == 200 and r.headers["X-Tandem-Request-Id"] == r.json()["id"]
+    with requests.post(
+        f"{url}/v1/completions", json={**ok, "stream": True}, stream=True, timeout=60
+    ) as s:
+        first = next(line for line in s.iter_lines() if line.startswith(b"data: "))
+        assert s.headers["X-Tandem-Request-Id"] == json.loads(first[len(b"data: ") :])["id"]
+    bad = completion(url, {**ok, "n": 5})
+    assert bad.status_code == 400
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", bad.headers["X-Tandem-Request-Id"])
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "n": 5}
+    r = requests.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+    assert r.status_code == 400
+    assert re.fullmatch(r"chatcmpl-[0-9a-f]{32}", r.headers["X-Tandem-Request-Id"])
+    ids = {
+        r.headers["X-Tandem-Request-Id"],
+        bad.headers["X-Tandem-Request-Id"],
+        s.headers["X-Tandem-Request-Id"],
+    }
+    assert len(ids) == 3  # one per answer
 
 
 # -- the bound on choices -------------------------------------------------------------------------
