@@ -14,7 +14,9 @@ server's name may carry engine flags for every pool: ``local+int8`` (``--quantiz
 ``local+int8+kv8``. Against each,
 ``vllm bench serve`` sends every ``--requests`` x ``--rates`` workload: random prompts of
 ``--input-len`` tokens, ``--output-len`` tokens each with ``ignore_eos``, greedy, the same
-prompts for every server (fixed seed); the rate ``c1`` is one request at a time (batch 1:
+prompts for every server (fixed seed); each workload its own prompts (``--seed`` plus its place
+in the list: the random dataset's first prompts are the same for one seed whatever their
+number, so one seed would make every run after the first a prefix hit); the rate ``c1`` is one request at a time (batch 1:
 ``--max-concurrency 1`` at rate inf, at most :data:`BATCH1_PROMPTS` requests). Per run:
 
 - **complete**: requests that got all their tokens with no error (the client's own
@@ -172,9 +174,12 @@ def idle_cpu(seconds: float, settle_s: float = 10.0) -> dict[str, float]:
     return dict(sorted(used.items(), key=lambda kv: -kv[1]))
 
 
-def run_client(server: Server, n: int, rate: str, args: argparse.Namespace, out: Path) -> dict:
-    """One ``vllm bench serve`` run against ``server``; its figures, the full ones counted, and
-    the CPU each kind of process spent per output token meanwhile."""
+def run_client(
+    server: Server, n: int, rate: str, seed: int, args: argparse.Namespace, out: Path
+) -> dict:
+    """One ``vllm bench serve`` run against ``server`` with the prompts of ``seed``; its
+    figures, the full ones counted, and the CPU each kind of process spent per output token
+    meanwhile."""
     python = Path(args.vllm_venv) / "bin" / "python"
     cmd = [str(python), str(PEERS), "bench", "serve", "--backend", "vllm"]
     cmd += ["--model", server.model.name, "--tokenizer", str(server.model)]
@@ -186,7 +191,7 @@ def run_client(server: Server, n: int, rate: str, args: argparse.Namespace, out:
         cmd += ["--num-prompts", str(n), "--request-rate", "inf", "--max-concurrency", "1"]
     else:
         cmd += ["--num-prompts", str(n), "--request-rate", rate]
-    cmd += ["--seed", str(args.seed)]
+    cmd += ["--seed", str(seed)]
     cmd += ["--ignore-eos", "--temperature", "0", "--percentile-metrics", "ttft,tpot,itl,e2el"]
     cmd += ["--metric-percentiles", "50,99", "--save-result", "--save-detailed"]
     cmd += ["--result-dir", str(out.parent), "--result-filename", out.name]
@@ -386,13 +391,14 @@ def main() -> None:
                     drain = idle_cpu(args.idle_s)
                     idle.append({"round": rnd, "server": name, "ms_per_s": drain})
                     log(f"  idle: {sum(drain.values()):.1f} ms of CPU a second")
-                for n in args.requests:
-                    for rate in args.rates:
-                        out = logs / f"r{rnd}-{Path(name).stem}-{n}-{rate}.json"
-                        row = {"round": rnd, **run_client(server, n, rate, args, out)}
-                        rows.append(row)
-                        log(f"  {n} @ {rate}: {row['complete']}/{row['requests']} complete, "
-                            f"{row['out_tok_s']:.1f} tok/s")  # fmt: skip
+                workloads = [(n, rate) for n in args.requests for rate in args.rates]
+                for i, (n, rate) in enumerate(workloads):
+                    out = logs / f"r{rnd}-{Path(name).stem}-{n}-{rate}.json"
+                    seed = args.seed + i  # its own prompts: no prefix hit on the run before
+                    row = {"round": rnd, **run_client(server, n, rate, seed, args, out)}
+                    rows.append(row)
+                    log(f"  {n} @ {rate}: {row['complete']}/{row['requests']} complete, "
+                        f"{row['out_tok_s']:.1f} tok/s")  # fmt: skip
             finally:
                 server.stop()
     offline_tok_s = {n: statistics.median(runs) for n, runs in offline_runs.items()}
