@@ -60,8 +60,12 @@ def write_kv(layer_cache: Tensor, kv: Tensor, slots: Tensor) -> None:
     ``[2, num_blocks, block_size, kv_heads, row]`` cache, K and V in one indexed copy (an int8
     cache's rows quantized first, engine/kv_layout.py)."""
     _, _, _, heads, row = layer_cache.shape
+    ext = kernels.layer_ops(kv)
     if layer_cache.dtype == torch.int8:
         kv = int8_rows(kv)
+    if ext is not None:  # a copy per token (index_copy_ cost 75 us a layer at 64 tokens)
+        ext.write_kv(layer_cache, kv, slots)
+        return
     src = kv.view(-1, 2, heads, row).transpose(0, 1)
     layer_cache.view(2, -1, heads, row).index_copy_(1, slots, src)
 

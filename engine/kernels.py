@@ -18,6 +18,9 @@ None, logs why once, and callers keep the pure-PyTorch path.
   row sums (one fixed order on any thread count), exp and log, and RoPE's cos and sin (PyTorch's
   go to MKL, which picks its code by CPU vendor): ``engine.sampler``, ``engine.model``; and the
   sampler's whole temperature + top_p draw, one row at a time in cache (``sample_top_p``).
+* ``layer_ops`` -- the decoder layer's small ops in one pass each, their bits the same on every
+  CPU: RMSNorm after the residual add, SiLU(gate) * up, RoPE, the K/V write (``engine.model``,
+  ``engine.attention``).
 * ``token_bitmask`` -- a grammar's token bitmask applied to the logits as it is, without
   unpacking it (structured outputs: ``engine.structured.ban_disallowed``).
 """
@@ -53,6 +56,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
     ),
     "token_bitmask": ("apply_token_bitmask",),
     "portable_math": ("row_sum", "portable_exp", "portable_log", "cos_sin", "sample_top_p"),
+    "layer_ops": ("rms_norm", "silu_mul", "rotary_", "write_kv"),
     "int8_linear": (
         "int8_linear",
         "pack_int8",
@@ -73,10 +77,15 @@ KERNEL_HEADERS: dict[str, tuple[str, ...]] = {
     "invariant_linear": ("amx.h", "spare_threads.h"),
     "int8_linear": ("amx.h", "spare_threads.h"),
     "spare_threads": ("spare_threads.h",),
+    "portable_math": ("portable_exp.h",),
+    "layer_ops": ("portable_exp.h",),
 }
-# Flags after _FLAGS for one kernel: portable_math's bits are its IEEE ops as written.
+# Flags after _FLAGS for one kernel: portable_math's and layer_ops' bits are their IEEE ops as
+# written.
+_AS_WRITTEN = ("-ffp-contract=off", "-fno-trapping-math")
 KERNEL_FLAGS: dict[str, tuple[str, ...]] = {
-    "portable_math": ("-ffp-contract=off", "-fno-trapping-math")
+    "portable_math": _AS_WRITTEN,
+    "layer_ops": (*_AS_WRITTEN, "-mprefer-vector-width=512"),
 }
 # Most rows skinny_linear takes (its kMaxRows); past it the GEMM is compute-bound.
 SKINNY_MAX_ROWS = 16
@@ -248,6 +257,14 @@ def portable_cos_sin(x: Tensor) -> tuple[Tensor, Tensor] | None:
         return None
     both: Tensor = ext.cos_sin(x.contiguous())
     return both[0], both[1]
+
+
+def layer_ops(x: Tensor) -> ModuleType | None:
+    """The ``layer_ops`` extension where it serves ``x`` (a CPU float32 or bfloat16 tensor), else
+    None: the caller computes in PyTorch."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    return load("layer_ops")
 
 
 # The int8 GEMM's ways through one packed weight (engine/csrc/int8_linear.cpp), fastest first.

@@ -210,16 +210,43 @@ def rope_cos_sin(angles: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     )
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+def rms_norm(h: Tensor, weight: Tensor, eps: float, residual: Tensor | None = None) -> Tensor:
+    """RMSNorm of ``h`` ``[T, H]``, after ``h += residual`` in place when one is given (the
+    decoder's residual stream). On CPU one pass of engine/csrc/layer_ops.cpp: the mean square
+    summed in one fixed order, the same bits on every CPU; elsewhere PyTorch's ops, in fp32."""
+    ext = kernels.layer_ops(h)
+    if ext is not None:
+        out: Tensor = ext.rms_norm(h, weight, eps, residual)
+        return out
+    if residual is not None:
+        h.add_(residual)
+    x = h.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(h.dtype)
 
 
-def apply_rotary_(x: Tensor, cos: Tensor, sin: Tensor) -> None:
-    """Rotate ``x`` ``[T, heads, d]`` in place; ``cos``/``sin`` ``[T, 1, d]``.
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """``SiLU(gate) * up`` of ``gate_up`` ``[T, 2I]`` (gate then up), each op rounded to the
+    dtype; on CPU with the portable exp (engine/csrc/layer_ops.cpp)."""
+    ext = kernels.layer_ops(gate_up)
+    if ext is not None:
+        out: Tensor = ext.silu_mul(gate_up)
+        return out
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
-    HF's rotate-half convention with its bf16 rounding (each product rounded, then the sum)."""
+
+def apply_rotary_(qkv: Tensor, heads: int, cos: Tensor, sin: Tensor) -> None:
+    """Rotate the first ``heads`` heads of ``qkv`` ``[T, heads_total, d]`` in place; ``cos`` /
+    ``sin`` ``[T, 1, d]``.
+
+    HF's rotate-half convention with its bf16 rounding (each product rounded, then the sum):
+    the native kernel computes PyTorch's bits in one pass."""
+    ext = kernels.layer_ops(qkv)
+    if ext is not None:
+        ext.rotary_(qkv, heads, cos, sin)
+        return
+    x = qkv[:, :heads]
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     torch.add(x * cos, rotated * sin, out=x)
@@ -315,20 +342,22 @@ class DecoderModel:
         cos, sin = rope_cos_sin(positions.float()[:, None] * self.inv_freq[None, :], c.dtype)
 
         h = F.embedding(input_ids, self.embed)
+        residual: Tensor | None = None  # added to h by the next norm, in the same pass
         for layer, w in enumerate(self.layers):
-            x = rms_norm(h, w.input_norm, c.rms_norm_eps)
+            x = rms_norm(h, w.input_norm, c.rms_norm_eps, residual)
             # Heads side by side: [q heads | k heads | v heads], all views of one GEMM output.
             qkv = w.qkv(x).view(t, heads + 2 * kv_heads, c.head_dim)
-            apply_rotary_(qkv[:, : heads + kv_heads], cos, sin)  # q and k in one pass
+            apply_rotary_(qkv, heads + kv_heads, cos, sin)  # q and k in one pass
             write_kv(kv_cache[layer], qkv[:, heads:], meta.slot_mapping)
             if layer_hook is not None:
                 layer_hook(layer)
             q, k, v = qkv[:, :heads], qkv[:, heads : heads + kv_heads], qkv[:, heads + kv_heads :]
             k_cache, v_cache = kv_cache[layer, 0], kv_cache[layer, 1]
-            h = h + w.o(self._attention(q, k, v, k_cache, v_cache, meta))
-            x = rms_norm(h, w.post_norm, c.rms_norm_eps)
-            gate, up = w.gate_up(x).chunk(2, dim=-1)
-            h = h + w.down(F.silu(gate) * up)
+            attended = w.o(self._attention(q, k, v, k_cache, v_cache, meta))
+            x = rms_norm(h, w.post_norm, c.rms_norm_eps, attended)
+            residual = w.down(silu_mul(w.gate_up(x)))
+        if residual is not None:
+            h.add_(residual)
         x = rms_norm(h.index_select(0, sample_rows), self.norm, c.rms_norm_eps)
         return self.lm_head(x).float()
 

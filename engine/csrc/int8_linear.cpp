@@ -503,15 +503,22 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor c
     }
   };
   tandem_spare::Pool* spare = tandem_spare::attached();
-  if (!tiles && m <= kSpareRows && spare != nullptr && spare->active() &&
-      at::get_num_threads() == 1) {
+  if (m <= kSpareRows && spare != nullptr && spare->active() && at::get_num_threads() == 1) {
     // Up to kSpareRows rows: a panel is a chunk, shared with the spare threads (spare_threads.h).
-    auto compute = [panel_sums, m](int64_t p, float* acc) {
-      thread_local std::vector<int32_t> dots(kMR * kWidth), comp_cols(kWidth);
-      for (int64_t r0 = 0; r0 < m; r0 += kMR) {
-        const int rows = static_cast<int>(std::min(kMR, m - r0));
+    // amx: whichever thread computes a chunk configures its own tiles for it.
+    auto compute = [panel_sums, m, rows_step, tiles](int64_t p, float* acc) {
+      thread_local std::vector<int32_t> dots, comp_cols(kWidth);
+      dots.resize(rows_step * kWidth);
+#ifdef TANDEM_AMX
+      if (tiles) tandem_amx::configure();
+#endif
+      for (int64_t r0 = 0; r0 < m; r0 += rows_step) {
+        const int rows = static_cast<int>(std::min(rows_step, m - r0));
         panel_sums(p, r0, rows, acc + r0 * kWidth, dots.data(), comp_cols.data());
       }
+#ifdef TANDEM_AMX
+      if (tiles) tandem_amx::release();
+#endif
     };
     spare->run(panels, m * kWidth, compute,
                [&](int64_t p, const float* acc) { write_rows(p, 0, static_cast<int>(m), acc); });

@@ -385,19 +385,27 @@ torch::Tensor invariant_linear(torch::Tensor x, torch::Tensor packed, int64_t n,
     }
   };
   tandem_spare::Pool* spare = tandem_spare::attached();
-  if (!tiles && m <= kSpareRows && spare != nullptr && spare->active() &&
-      at::get_num_threads() == 1) {
+  if (m <= kSpareRows && spare != nullptr && spare->active() && at::get_num_threads() == 1) {
     // Up to kSpareRows rows: 64 columns a chunk, shared with the spare threads (spare_threads.h).
+    // tiles: a panel's rows padded to whole tiles (mp), and whichever thread computes a chunk
+    // configures its own tiles for it.
     const int64_t per = std::max<int64_t>(1, 64 / width), chunks = (panels + per - 1) / per;
-    auto compute = [panel_rows, per, panels, m, rows_step, width](int64_t c, float* out) {
+    auto compute = [panel_rows, per, panels, m, mp, rows_step, width, tiles](int64_t c,
+                                                                             float* out) {
+#ifdef TANDEM_AMX
+      if (tiles) tandem_amx::configure();
+#endif
       const int64_t p0 = c * per, p1 = std::min(panels, p0 + per);
       for (int64_t p = p0; p < p1; ++p)
         for (int64_t r0 = 0; r0 < m; r0 += rows_step)
-          panel_rows(p, r0, std::min(rows_step, m - r0), out + ((p - p0) * m + r0) * width);
+          panel_rows(p, r0, std::min(rows_step, m - r0), out + ((p - p0) * mp + r0) * width);
+#ifdef TANDEM_AMX
+      if (tiles) tandem_amx::release();
+#endif
     };
-    spare->run(chunks, per * m * width, compute, [&](int64_t c, const float* out) {
+    spare->run(chunks, per * mp * width, compute, [&](int64_t c, const float* out) {
       const int64_t p0 = c * per, p1 = std::min(panels, p0 + per);
-      for (int64_t p = p0; p < p1; ++p) write_rows(p, 0, m, out + (p - p0) * m * width);
+      for (int64_t p = p0; p < p1; ++p) write_rows(p, 0, m, out + (p - p0) * mp * width);
     });
     return y;
   }
