@@ -58,6 +58,14 @@ from kv_transfer.wire import (
 TORCH_SENDS_IN_FLIGHT = 2
 # Torch mode: payload bytes announced per stream message at most (when more are ready).
 TORCH_BATCH_BYTES = 4 << 20
+# The sender gives up this long (at most a tenth of the time it was given) before the puller's
+# deadline, so the layers it holds and the reason it ends reach the puller while it still listens.
+SENDER_MARGIN_S = 0.5
+
+
+def sender_deadline(puller_deadline: float, now: float) -> float:
+    """When the sender of a pull due at ``puller_deadline`` stops waiting and says why."""
+    return puller_deadline - min(SENDER_MARGIN_S, max(puller_deadline - now, 0.0) / 10)
 
 
 class KVTransferServer:
@@ -124,7 +132,8 @@ class KVTransferServer:
     def _pull(self, request: pb.PullRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         key = TransferKey(request.request_id, request.attempt_id)
         remaining = context.time_remaining()
-        deadline = min(request.deadline, time.time() + (remaining or math.inf))
+        now = time.time()
+        deadline = sender_deadline(min(request.deadline, now + (remaining or math.inf)), now)
         batch = BatchWriter()
         pair: _PairPull | None = None
         done = threading.Event()
