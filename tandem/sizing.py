@@ -5,10 +5,12 @@ section leaves out is derived from the memory Ray gives each of its workers.
   ``memory`` resource among all the topology's workers. Ray reserves it for the worker.
 - **KV cache**: ``kv_memory_fraction`` of that memory once the model's weights are taken out
   (the rest is for activations, the host swap space, Python and the transport's buffers), but
-  never more than the batch slots can fill (full-context sequences in every slot).
-- **Batch slots** (``max_num_seqs``, unless given): as many full-context sequences as that KV
-  cache holds, so that every slot can be filled whatever the requests ask for, within
-  ``MAX_AUTO_SEQS`` (vLLM's default; on a CPU a batch past 64 only adds latency, measured).
+  never more than the batch slots can fill (a full-context sequence in every slot).
+- **Batch slots** (``max_num_seqs``) are not sized from memory: admission reserves each
+  request's KV (engine/admission.py), so the cache, not the slot count, keeps requests within
+  it, and slots only bound the step's batch (the engine's default, 64 unless given). Counting
+  slots as full-context sequences, as this module once did, left SmolLM2's workers 10 slots
+  for requests that need 1/30 of a context each (docs/benchmarks.md#sizing-slots).
 
 A pool that sets ``kv_cache_bytes`` is left as it is.
 """
@@ -16,8 +18,6 @@ A pool that sets ``kv_cache_bytes`` is left as it is.
 from __future__ import annotations
 
 from engine.config import EngineConfig, ModelConfig
-
-MAX_AUTO_SEQS = 256
 
 
 def sizes_itself(engine: EngineConfig) -> bool:
@@ -32,9 +32,8 @@ def sized_engine(
     weights_bytes: int,
     kv_memory_fraction: float,
 ) -> EngineConfig:
-    """``engine`` with its KV cache and, unless given, its batch slots sized for a worker
-    with ``memory_bytes`` (module docstring). Raises ValueError when that memory holds the
-    weights but no KV block."""
+    """``engine`` with its KV cache sized for a worker with ``memory_bytes`` (module
+    docstring). Raises ValueError when that memory holds the weights but no KV block."""
     if not sizes_itself(engine):
         return engine
     kv_bytes = int(kv_memory_fraction * (memory_bytes - weights_bytes))
@@ -48,8 +47,6 @@ def sized_engine(
         engine.max_model_len or model.max_position_embeddings, model.max_position_embeddings
     )
     context_bytes = -(-context // engine.block_size) * block_bytes
-    seqs = engine.max_num_seqs
-    if "max_num_seqs" not in engine.model_fields_set:
-        seqs = max(1, min(MAX_AUTO_SEQS, kv_bytes // context_bytes))
-    kv_bytes = min(kv_bytes, seqs * context_bytes)
-    return engine.model_copy(update={"kv_cache_bytes": kv_bytes, "max_num_seqs": seqs})
+    return engine.model_copy(
+        update={"kv_cache_bytes": min(kv_bytes, engine.max_num_seqs * context_bytes)}
+    )

@@ -116,8 +116,7 @@ class PoolSpec(ConfigSection):
     engine: EngineConfig = Field(
         default_factory=EngineConfig,
         description="engine limits of every worker in the pool; without kv_cache_bytes, the "
-        "KV cache and (unless given) max_num_seqs are sized from the worker's memory "
-        "(tandem/sizing.py)",
+        "KV cache is sized from the worker's memory (tandem/sizing.py)",
     )
     memory_bytes: int | None = Field(
         None,

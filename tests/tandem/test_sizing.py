@@ -10,7 +10,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.loader import load_checkpoint, read_model_config
 from tandem.launch import sized_workers
-from tandem.sizing import MAX_AUTO_SEQS, sized_engine
+from tandem.sizing import sized_engine
 from tandem.topology import Topology
 
 GiB = 2**30
@@ -29,7 +29,7 @@ def test_read_model_config_is_what_loading_reads(test_llama: Path) -> None:
     assert (half, bf16.kv_bytes_per_token()) == (weights // 2, config.kv_bytes_per_token() // 2)
 
 
-def test_left_out_kv_is_a_fraction_of_the_memory_share_and_slots_follow(test_llama: Path) -> None:
+def test_left_out_kv_is_a_fraction_of_the_memory_share(test_llama: Path) -> None:
     model, weights = read_model_config(test_llama)
     topo = topology(
         test_llama,
@@ -38,26 +38,23 @@ def test_left_out_kv_is_a_fraction_of_the_memory_share_and_slots_follow(test_lla
   decode: {replicas: 2, kv_memory_fraction: 0.25, engine: {max_num_seqs: 7}}
   """,
     )
-    prefill, decode0, decode1 = sized_workers(topo, test_llama, cluster_memory=3 * GiB + 2)
-    assert prefill.memory_bytes == decode0.memory_bytes == decode1.memory_bytes == GiB
     context_bytes = model.max_position_embeddings * model.kv_bytes_per_token()  # whole blocks
-    kv = int(0.5 * (GiB - weights))
-    seqs = min(MAX_AUTO_SEQS, kv // context_bytes)
-    assert prefill.engine == EngineConfig(
-        kv_cache_bytes=min(kv, seqs * context_bytes),
-        max_num_seqs=seqs,
-        max_num_batched_tokens=256,
-    )
+    share = weights + 64 * context_bytes  # half of it after the weights fills half the slots
+    prefill, decode0, decode1 = sized_workers(topo, test_llama, cluster_memory=3 * share + 2)
+    assert prefill.memory_bytes == decode0.memory_bytes == decode1.memory_bytes == share
+    kv = int(0.5 * (share - weights))
+    # The slots stay the engine's (64): admission's reservations keep requests within the KV.
+    assert prefill.engine == EngineConfig(kv_cache_bytes=kv, max_num_batched_tokens=256)
+    assert prefill.engine.max_num_seqs == 64
     # Seven slots fill at most seven full contexts: no more KV than that.
-    assert decode0.engine == EngineConfig(
-        kv_cache_bytes=min(int(0.25 * (GiB - weights)), 7 * context_bytes), max_num_seqs=7
-    )
+    assert 7 * context_bytes < int(0.25 * (share - weights))
+    assert decode0.engine == EngineConfig(kv_cache_bytes=7 * context_bytes, max_num_seqs=7)
     assert decode1.engine == decode0.engine
 
 
-def test_an_int8_cache_gets_slots_for_its_smaller_rows(test_llama: Path) -> None:
-    """``kv_cache_dtype: int8``: the same memory holds ``2d / (d + 4)`` times the full contexts
-    (the test model's fp32 rows are 4d bytes a head, int8 ones d + 4), and the slots follow."""
+def test_an_int8_cache_holds_more_tokens_in_the_same_memory(test_llama: Path) -> None:
+    """``kv_cache_dtype: int8``: the same bytes hold ``4d / (d + 4)`` times the tokens (the
+    test model's fp32 rows are 4d bytes a head, int8 ones d + 4); the slots do not change."""
     model, weights = read_model_config(test_llama)
     d = model.head_dim
     assert model.kv_bytes_per_token("int8") * 4 * d == model.kv_bytes_per_token() * (d + 4)
@@ -66,14 +63,12 @@ def test_an_int8_cache_gets_slots_for_its_smaller_rows(test_llama: Path) -> None
         sized_engine(EngineConfig(kv_cache_dtype=kv), memory, model, weights, 0.5)  # type: ignore[arg-type]
         for kv in ("auto", "int8")
     )
-    kv = int(0.5 * (memory - weights))
-    for config, per_token in (
-        (plain, model.kv_bytes_per_token()),
-        (small, model.kv_bytes_per_token("int8")),
-    ):
-        context_bytes = model.max_position_embeddings * per_token
-        assert config.max_num_seqs == min(MAX_AUTO_SEQS, kv // context_bytes)
-    assert (plain.max_num_seqs, small.max_num_seqs) == (4, 4 * 4 * d // (d + 4))
+    assert plain.kv_cache_bytes == small.kv_cache_bytes == int(0.5 * (memory - weights))
+    assert plain.max_num_seqs == small.max_num_seqs == 64
+    tokens = [
+        c.kv_cache_bytes // model.kv_bytes_per_token(c.kv_cache_dtype) for c in (plain, small)
+    ]
+    assert tokens[1] // tokens[0] == 4 * d // (d + 4)
 
 
 def test_on_a_labelled_cluster_each_worker_shares_its_domains_memory(test_llama: Path) -> None:
@@ -117,18 +112,22 @@ def test_a_pools_own_memory_is_used_and_reserved(test_llama: Path) -> None:
     assert [w.memory_bytes for w in workers] == [512 * 2**20] * 2
 
 
-def test_the_slots_are_the_full_context_sequences_the_kv_holds(test_llama: Path) -> None:
+def test_the_kv_is_never_more_than_the_slots_fill(test_llama: Path) -> None:
+    """The cache stops at a full-context sequence in every slot (memory it could never use);
+    below that the memory decides, and the slots stay what the engine says."""
     model, _ = read_model_config(test_llama)
     per_block = 16 * model.kv_bytes_per_token()
     context = 64  # max_model_len caps the model's context
-    engine = EngineConfig(max_model_len=context)
-    for sequences in (1, 3, 40):
-        kv_bytes = sequences * context // 16 * per_block + per_block - 1  # not one block more
-        sized = sized_engine(engine, 2 * kv_bytes + 1000, model, 1000, 0.5)
-        assert sized.max_num_seqs == sequences, sequences
-    huge = sized_engine(engine, 10**12, model, 1000, 0.5)
-    assert huge.max_num_seqs == MAX_AUTO_SEQS
-    assert huge.kv_cache_bytes == MAX_AUTO_SEQS * context // 16 * per_block  # what they fill
+    for slots in (1, 3, 64):
+        engine = EngineConfig(max_model_len=context, max_num_seqs=slots)
+        fill = slots * context // 16 * per_block
+        huge = sized_engine(engine, 10**12, model, 1000, 0.5)
+        assert (huge.kv_cache_bytes, huge.max_num_seqs) == (fill, slots)
+        some = sized_engine(engine, 2 * (fill - 1) + 1000, model, 1000, 0.5)
+        assert (some.kv_cache_bytes, some.max_num_seqs) == (fill - 1, slots)
+    assert sized_engine(EngineConfig(max_model_len=context), 10**12, model, 1000, 0.5) == (
+        EngineConfig(max_model_len=context, kv_cache_bytes=64 * context // 16 * per_block)
+    )
 
 
 def test_memory_that_holds_no_kv_block_is_a_clear_error(test_llama: Path) -> None:
