@@ -252,23 +252,24 @@ def test_admission_errors_raise_at_first_iteration(engine: LLMEngine, test_llama
 
 def test_backpressure_pauses_slow_consumer_only(engine: LLMEngine, test_llama: Path) -> None:
     cap = 8
+    # The fast request makes fewer entries than the bound, so it cannot pause however far its
+    # reader lags behind the engine thread (a loaded CI box lagged 8 ticks and paused it once).
+    fast_tokens = cap - 1
     prompts = ["The quick brown fox", "Once upon a time"]
-    slow_exp, fast_exp = reference(test_llama, prompts, [greedy(40), greedy(40)])
+    slow_exp, fast_exp = reference(test_llama, prompts, [greedy(40), greedy(fast_tokens)])
 
     async def main() -> None:
         async with AsyncLLMEngine(engine, max_buffered_outputs=cap) as aengine:
             slow = aengine.generate(aengine.make_request(prompts[0], greedy(40), request_id="slow"))
             slow_outs = [await anext(slow)]
-            # The fast request runs to the end while nobody reads the slow one.
-            assert (
-                by_sample(
-                    await collect(aengine.generate(aengine.make_request(prompts[1], greedy(40))))
-                )
-                == fast_exp
-            )
-            await aengine.wait_idle()  # the engine thread sleeps: its state is ours to read
+            await aengine.wait_idle()  # the engine thread sleeps: the slow request is paused
             req = engine.scheduler.get_request("slow")
             assert req is not None and req.status is RequestStatus.BACKPRESSURED
+            # The fast request runs to the end while the slow one stays paused, unread.
+            fast = aengine.generate(aengine.make_request(prompts[1], greedy(fast_tokens)))
+            assert by_sample(await collect(fast)) == fast_exp
+            await aengine.wait_idle()
+            assert req.status is RequestStatus.BACKPRESSURED
             buffered = req.num_generated - len(slow_outs)
             assert buffered in (cap - 1, cap)  # cap - 1 if the first read came after the pause
             assert aengine.backpressure_stats() == BackpressureStats(1, 0, cap)
