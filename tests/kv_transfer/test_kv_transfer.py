@@ -874,6 +874,17 @@ def test_peer_death_releases_what_it_pulled(
     assert pulled.releases == [ReleaseReason.PEER_DEAD] and other.releases == []
 
 
+@pytest.mark.parametrize(
+    ("given_s", "margin_s"),
+    [(100.0, 0.5), (5.0, 0.5), (3.0, 0.3), (1.0, 0.1), (0.0, 0.0), (-2.0, 0.0)],
+)
+def test_the_sender_gives_up_a_margin_before_the_puller(given_s: float, margin_s: float) -> None:
+    # Half a second early, but never more than a tenth of the time given (a short pull keeps
+    # nine tenths to send in); a deadline already past leaves nothing to take a margin from.
+    now = 1_000.0
+    assert sender_deadline(now + given_s, now) == pytest.approx(now + given_s - margin_s)
+
+
 @pytest.mark.parametrize("stall", ["layer_never_ready", "delayed_chunk"])
 def test_stalled_sender_times_out_at_the_deadline(
     registry: KVExportRegistry, server: KVTransferServer, client: KVTransport, stall: str
