@@ -2,11 +2,12 @@
 thread, as a served worker computes, with and without helpers on the idle core.
 
     .venv/bin/python -m bench.spare_bench [--model small] [--batches 1 4] [--rounds 2]
-        [--processes 1] [--weights bf16 int8]
+        [--processes 1] [--weights bf16 int8] [--prefill]
 
 One engine at a time in this process (``num_threads: 1``), bf16 and int8 weights, ``--batches``
 sequences decoding (128-token prompts, greedy); each decode step's ``LLMEngine.step()`` is
-timed, the median over ``--steps`` steps. ``spare_threads`` 0 and 1 take turns A B B A per round.
+timed, the median over ``--steps`` steps. ``--prefill`` times the prompts' step instead (a lone
+prompt's first token: TTFT's compute), the median over ``--steps`` fresh batches of prompts. ``spare_threads`` 0 and 1 take turns A B B A per round.
 Needs an otherwise idle machine: a helper only ever gets a core nobody else wants.
 
 ``--processes N`` measures a busy machine instead: N processes run the same measurement at once
@@ -50,9 +51,10 @@ def measure(
     batch: int,
     steps: int,
     ready: Callable[[], object] = lambda: None,
+    prefill: bool = False,
 ) -> float:
     """Median milliseconds of ``steps`` decode steps of ``batch`` sequences (``ready()`` before
-    the first timed one)."""
+    the first timed one); ``prefill``: of the steps that compute ``steps`` batches of prompts."""
     config = EngineConfig(
         dtype="bfloat16",
         quantization="int8" if weights == "int8" else "none",
@@ -63,15 +65,20 @@ def measure(
     )
     torch.set_num_threads(1)  # as a served worker's engine thread (AsyncLLMEngine) computes
     engine = LLMEngine.from_checkpoint(model, config)
-    params = SamplingParams(max_tokens=steps + 8, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request(
-            engine.make_request([(13 * i + j) % 4000 + 5 for j in range(128)], params)
-        )
+    params = SamplingParams(max_tokens=1 if prefill else steps + 8, temperature=0, ignore_eos=True)
+
+    def add_prompts(n: int) -> None:  # each batch its own prompts: no prefix hit
+        for i in range(batch):
+            prompt = [(13 * i + 7 * n + j) % 4000 + 5 for j in range(128)]
+            engine.add_request(engine.make_request(prompt, params))
+
+    add_prompts(0)
     engine.step()  # the prompts and the first tokens
     ready()
     times = []
-    for _ in range(steps):
+    for n in range(1, steps + 1):
+        if prefill:
+            add_prompts(n)
         t0 = time.perf_counter()
         engine.step()
         times.append((time.perf_counter() - t0) * 1e3)
@@ -117,7 +124,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         )
     labels = [f"{w}, batch {b}" for w, b in cases]
     ax.set_xticks([x + width / 2 for x in range(len(cases))], labels)
-    ax.set_ylabel("ms per decode step (one engine thread)")
+    ax.set_ylabel(f"ms per {result['phase']} step (one engine thread)")
     ax.set_title(
         f"{result['model']}, {result['processes']} process(es) ({result['cpu']})", fontsize=9
     )
@@ -134,7 +141,10 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--processes", type=int, default=1, help="> 1: that many at once (busy)")
     ap.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS))
+    ap.add_argument("--prefill", action="store_true", help="time the prompts' step instead")
     a = ap.parse_args()
+    if a.prefill and a.processes > 1:
+        ap.error("--prefill measures one process")
     if kernels.load("spare_threads") is None:
         print("the native kernels do not build here: nothing to measure", file=sys.stderr)
         return 1
@@ -146,7 +156,10 @@ def main() -> int:
                 for spare in abba([0, 1], rnd):
                     key = f"{weights}/b{batch}/spare{spare}"
                     case = (path, weights, spare, batch, a.steps)
-                    ms = measure_busy(*case, a.processes) if a.processes > 1 else measure(*case)
+                    if a.processes > 1:
+                        ms = measure_busy(*case, a.processes)
+                    else:
+                        ms = measure(*case, prefill=a.prefill)
                     runs.setdefault(key, []).append(ms)
                     print(f"[spare] {key}: {ms:.2f} ms", file=sys.stderr, flush=True)
     kernels.set_spare_threads(0)
@@ -156,11 +169,13 @@ def main() -> int:
         "batches": a.batches,
         "weights": a.weights,
         "processes": a.processes,
+        "phase": "prefill" if a.prefill else "decode",
         "runs": runs,
     }
     who = f"{a.processes} processes at once (their mean)" if a.processes > 1 else "one process"
     print(
-        f"CPU: {result['cpu']}; {a.model}, one engine thread each, {who}, medians of {a.steps} steps"
+        f"CPU: {result['cpu']}; {a.model}, one engine thread each, {who}, medians of {a.steps} "
+        f"{result['phase']} steps"
     )
     print(f"{'weights':<8}{'batch':>6}{'spare 0 ms':>12}{'spare 1 ms':>12}{'speedup':>9}  runs")
     for weights in a.weights:
@@ -176,6 +191,7 @@ def main() -> int:
             )
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = "spare_bench_busy" if a.processes > 1 else "spare_bench"
+    stem += "_prefill" if a.prefill else ""
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=2))
     plot(result, RESULTS / f"{stem}.png")
     return 0

@@ -46,7 +46,7 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 # Each: csrc/<name>.cpp exporting these functions.
 KERNELS: dict[str, tuple[str, ...]] = {
-    "paged_decode_attention": ("paged_decode_attention",),
+    "paged_decode_attention": ("paged_decode_attention", "attach_spare_pool"),
     "skinny_linear": ("skinny_linear",),
     "invariant_linear": (
         "invariant_linear",
@@ -74,6 +74,7 @@ KERNELS: dict[str, tuple[str, ...]] = {
 # Shared sources (csrc/<header>) put ahead of a kernel's own text, so that editing one rebuilds
 # every kernel that uses it (load_inline keys its build on the source text).
 KERNEL_HEADERS: dict[str, tuple[str, ...]] = {
+    "paged_decode_attention": ("spare_threads.h",),
     "invariant_linear": ("amx.h", "spare_threads.h"),
     "int8_linear": ("amx.h", "spare_threads.h"),
     "spare_threads": ("spare_threads.h",),

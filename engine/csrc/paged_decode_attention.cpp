@@ -1,6 +1,7 @@
 // Paged single-query (decode) attention on CPU, reading K/V in place through block tables.
 //
-// One OpenMP task per (sequence, run of kv heads). The visible keys are taken in splits of
+// One OpenMP task per (sequence, run of kv heads); on one intra-op thread the tasks are shared
+// with the spare threads instead (spare_threads.h), the same bits whoever computes one. The visible keys are taken in splits of
 // kSplit = 512 positions, as torch's CPU flash attention (what transformers runs) splits them:
 // per split, every head of the task scores all its keys (a walk over K, up to 64 tokens per tile),
 // then one softmax over the split against the running max, then P.V (a walk over V), with the
@@ -504,35 +505,80 @@ void decode_task(const T* q, const C* k_cache, const C* v_cache, const int64_t* 
 
 // Work split: (sequence, run of kv heads) tasks, with as many kv heads per task as still
 // leaves about 8 tasks per thread for the dynamic schedule to balance uneven contexts.
+struct Split {
+  int64_t group, per_task, chunks, tasks, buf_size;
+};
+
+Split split(int64_t batch, int64_t heads, int64_t d, int64_t kv_heads, int threads) {
+  const int64_t group = heads / kv_heads;
+  int64_t per_task = kv_heads;
+  while (per_task > 1 && batch * (kv_heads / per_task) < 8 * threads)
+    for (--per_task; kv_heads % per_task != 0;) --per_task;  // next smaller divisor
+  const int64_t chunks = kv_heads / per_task;
+  return {group, per_task, chunks, batch * chunks, per_task * group * (2 * d + 2 + kSplit)};
+}
+
 template <typename T, typename C>
 void run_tasks(const T* q, const C* k_cache, const C* v_cache, const int64_t* tables,
                const int64_t* starts, const int64_t* ends, int64_t batch, int64_t heads,
                int64_t d, int64_t block_size, int64_t kv_heads, int64_t width, float scale,
                T* out, int threads) {
-  const int64_t group = heads / kv_heads;
-  int64_t per_task = kv_heads;
-  while (per_task > 1 && batch * (kv_heads / per_task) < 8 * threads)
-    for (--per_task; kv_heads % per_task != 0;) --per_task;  // next smaller divisor
-  const int64_t chunks = kv_heads / per_task, tasks = batch * chunks;
-  const int64_t buf_size = per_task * group * (2 * d + 2 + kSplit);
+  const Split s = split(batch, heads, d, kv_heads, threads);
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> buf(buf_size);  // per thread, reused by all its tasks
+    std::vector<float> buf(s.buf_size);  // per thread, reused by all its tasks
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t task = 0; task < tasks; ++task) {
-      const int64_t b = task / chunks, g0 = task % chunks * per_task;
-      const int64_t head0 = b * heads + g0 * group;
+    for (int64_t task = 0; task < s.tasks; ++task) {
+      const int64_t b = task / s.chunks, g0 = task % s.chunks * s.per_task;
+      const int64_t head0 = b * heads + g0 * s.group;
       decode_task<T, C>(q + head0 * d, k_cache, v_cache, tables + b * width, starts[b], ends[b],
-                     block_size, kv_heads, g0, g0 + per_task, group, d, scale, out + head0 * d,
-                     buf.data());
+                        block_size, kv_heads, g0, g0 + s.per_task, s.group, d, scale,
+                        out + head0 * d, buf.data());
     }
   }
+}
+
+// The same tasks shared with the process's spare threads (spare_threads.h): a task is a chunk,
+// computed into the chunk's buffer and copied out by the caller, so whoever computes it, its
+// bits are run_tasks'. The lambda holds the tensors: a stalled helper may still run it after
+// this call has returned (its result then dropped).
+template <typename T, typename C>
+void run_shared(const torch::Tensor& q, const torch::Tensor& k_cache,
+                const torch::Tensor& v_cache, const torch::Tensor& tables,
+                const torch::Tensor& starts, const torch::Tensor& ends, float scale,
+                torch::Tensor& out, tandem_spare::Pool& spare) {
+  const int64_t heads = q.size(1), d = q.size(2);
+  const int64_t block_size = k_cache.size(1), kv_heads = k_cache.size(2), width = tables.size(1);
+  const Split s = split(q.size(0), heads, d, kv_heads, 1 + spare.size());
+  const int64_t task_elems = s.per_task * s.group * d;
+  const int64_t chunk_floats = (task_elems * static_cast<int64_t>(sizeof(T)) + 3) / 4;
+  auto compute = [=](int64_t task, float* result) {
+    thread_local std::vector<float> buf;
+    buf.resize(s.buf_size);
+    const int64_t b = task / s.chunks, g0 = task % s.chunks * s.per_task;
+    decode_task<T, C>(q.data_ptr<T>() + (b * heads + g0 * s.group) * d, k_cache.data_ptr<C>(),
+                      v_cache.data_ptr<C>(), tables.data_ptr<int64_t>() + b * width,
+                      starts.data_ptr<int64_t>()[b], ends.data_ptr<int64_t>()[b], block_size,
+                      kv_heads, g0, g0 + s.per_task, s.group, d, scale,
+                      reinterpret_cast<T*>(result), buf.data());
+  };
+  T* o = out.data_ptr<T>();
+  spare.run(s.tasks, chunk_floats, compute, [&](int64_t task, const float* result) {
+    const int64_t b = task / s.chunks, g0 = task % s.chunks * s.per_task;
+    std::memcpy(o + (b * heads + g0 * s.group) * d, result, task_elems * sizeof(T));
+  });
 }
 
 template <typename T, typename C>
 void run(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
          const torch::Tensor& tables, const torch::Tensor& starts, const torch::Tensor& ends,
          double scale, torch::Tensor& out) {
+  tandem_spare::Pool* spare = tandem_spare::attached();
+  if (spare != nullptr && spare->active() && at::get_num_threads() == 1) {
+    run_shared<T, C>(q, k_cache, v_cache, tables, starts, ends, static_cast<float>(scale), out,
+                     *spare);
+    return;
+  }
   run_tasks<T, C>(q.data_ptr<T>(), k_cache.data_ptr<C>(), v_cache.data_ptr<C>(),
                   tables.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
                   ends.data_ptr<int64_t>(), q.size(0), q.size(1), q.size(2), k_cache.size(1),
@@ -600,4 +646,10 @@ torch::Tensor paged_decode_attention(torch::Tensor q, torch::Tensor k_cache,
     TORCH_CHECK(false, "float32 or bfloat16 expected");
   }
   return out;
+}
+
+// Share calls made on one intra-op thread with the process's spare threads (the spare_threads
+// extension's pool).
+void attach_spare_pool(int64_t address) {
+  tandem_spare::attached() = reinterpret_cast<tandem_spare::Pool*>(address);
 }

@@ -1,6 +1,6 @@
-// Spare threads: helpers that take chunks of a few-row GEMM only while a core would otherwise sit
-// idle, so that a lone request's decode step gets the second core without costing anything when
-// the other workers need it (docs/design.md#spare-threads).
+// Spare threads: helpers that take chunks of a few-row GEMM, or tasks of the paged attention, only
+// while a core would otherwise sit idle, so that a lone request's step gets the second core
+// without costing anything when the other workers need it (docs/design.md#spare-threads).
 //
 // Why not OpenMP: each engine worker computes on one thread (`num_threads: 1`), because in a
 // busy cluster every core already runs a worker; a second OpenMP thread per engine either spins

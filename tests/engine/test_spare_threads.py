@@ -1,7 +1,7 @@
-"""Spare threads (engine/csrc/spare_threads.h): helpers that take output columns of a few-row GEMM
-while a core is idle. Whoever computes a chunk, its bits are the same; a helper that stalls
-after taking a chunk is overtaken by the caller, which never waits on it; the engine's tokens
-do not change with them on."""
+"""Spare threads (engine/csrc/spare_threads.h): helpers that take output columns of a few-row GEMM,
+or tasks of the paged attention, while a core is idle. Whoever computes a chunk, its bits are
+the same; a helper that stalls after taking a chunk is overtaken by the caller, which never
+waits on it; the engine's tokens do not change with them on."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
+from test_int8_kv import int8_case as int8_kv_case
+from test_kernels import random_case
 
 from engine import kernels
 from engine.config import EngineConfig
@@ -117,6 +119,37 @@ def test_the_invariant_gemm_gives_the_same_bits_with_helpers(
                 assert same_bits(run(), alone)
             else:
                 helped_with_the_same_bits(run, alone)
+
+
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize(
+    "lens",
+    [[700], [1, 17, 130, 513] * 16],  # one decode: its tasks are kv heads; a prompt's 64 queries
+)
+def test_the_paged_attention_gives_the_same_bits_with_helpers(
+    spare: Callable[..., None], cache: str, lens: list[int]
+) -> None:
+    g = torch.Generator().manual_seed(len(lens))
+    if cache == "int8":
+        q, k_cache, v_cache, tables = int8_kv_case(g, lens, 3, 3, 64, torch.bfloat16)
+    else:
+        q, k_cache, v_cache, tables = random_case(g, lens, 3, 3, 64, getattr(torch, cache))
+    starts, ends = torch.tensor([n // 3 for n in lens]), torch.tensor(lens)
+
+    def run() -> torch.Tensor:
+        return kernels.paged_decode_attention(q, k_cache, v_cache, tables, starts, ends, 0.125)
+
+    def same() -> None:
+        assert same_bits(run(), alone)
+
+    spare(0)
+    alone = run()
+    spare(2)
+    helped_with_the_same_bits(run, alone)
+    # A helper that stalls after taking each task: the caller takes them back, the same bits.
+    spare(1, delay_us=20_000)
+    _, _, taken_back = kernels.spare_stats()
+    assert until(lambda: kernels.spare_stats()[2] > taken_back, same)
 
 
 def test_helpers_take_chunks_when_a_core_is_idle(spare: Callable[..., None]) -> None:
