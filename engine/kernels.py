@@ -28,6 +28,8 @@ None, logs why once, and callers keep the pure-PyTorch path.
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import logging
 import os
 import sys
@@ -91,6 +93,7 @@ KERNEL_FLAGS: dict[str, tuple[str, ...]] = {
 # Most rows skinny_linear takes (its kMaxRows); past it the GEMM is compute-bound.
 SKINNY_MAX_ROWS = 16
 DISABLE_ENV = "TANDEM_NATIVE_KERNELS"
+STAMP_FILE = "sources.sha256"  # beside a build: what it was built from (_load_built)
 
 
 @functools.cache
@@ -103,19 +106,7 @@ def load(name: str) -> ModuleType | None:
         log.info("native CPU kernels switched off (%s=0): %s uses PyTorch", DISABLE_ENV, name)
         return None
     try:
-        from torch.utils.cpp_extension import load_inline
-
-        ext = load_inline(
-            name=f"tandem_{name}",
-            build_directory=str(build_dir(name)),
-            cpp_sources=[
-                *((_CSRC / header).read_text() for header in KERNEL_HEADERS.get(name, ())),
-                (_CSRC / f"{name}.cpp").read_text(),
-            ],
-            functions=list(KERNELS[name]),
-            extra_cflags=[*_FLAGS, *KERNEL_FLAGS.get(name, ())],
-            extra_ldflags=["-fopenmp"],
-        )
+        ext = _load_built(name) or _build(name)
         if "attach_spare_pool" in KERNELS[name]:  # one pool of spare threads per process
             pool = load("spare_threads")
             ext.attach_spare_pool(0 if pool is None else pool.spare_pool_address())
@@ -123,6 +114,54 @@ def load(name: str) -> ModuleType | None:
     except Exception as exc:  # no compiler, no OpenMP, no headers: all mean "use PyTorch"
         log.warning("CPU kernel %s unavailable, using PyTorch: %s", name, exc)
         return None
+
+
+def _sources(name: str) -> list[str]:
+    return [
+        *((_CSRC / header).read_text() for header in KERNEL_HEADERS.get(name, ())),
+        (_CSRC / f"{name}.cpp").read_text(),
+    ]
+
+
+def _stamp(name: str) -> str:
+    """What a build of ``name`` was made from: its sources, flags and torch."""
+    text = "\0".join([*_sources(name), *_FLAGS, *KERNEL_FLAGS.get(name, ()), torch.__version__])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _load_built(name: str) -> ModuleType | None:
+    """The extension built from these very sources, imported as it is; None if there is none.
+
+    Without this every process went through ``load_inline``, which holds a lock file in the
+    build directory while it checks the build: a worker killed in that second (the chaos plans
+    kill workers) left the lock behind, and every later process that loaded the kernel waited
+    on it forever (CI hung on ``token_bitmask`` twice)."""
+    path = build_dir(name) / f"tandem_{name}.so"
+    stamp = build_dir(name) / STAMP_FILE
+    if not (path.exists() and stamp.exists() and stamp.read_text() == _stamp(name)):
+        return None
+    spec = importlib.util.spec_from_file_location(f"tandem_{name}", path)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build(name: str) -> ModuleType:
+    """Compile ``name`` (``load_inline``: a no-op when its build is current), then stamp it."""
+    from torch.utils.cpp_extension import load_inline
+
+    ext: ModuleType = load_inline(
+        name=f"tandem_{name}",
+        build_directory=str(build_dir(name)),
+        cpp_sources=_sources(name),
+        functions=list(KERNELS[name]),
+        extra_cflags=[*_FLAGS, *KERNEL_FLAGS.get(name, ())],
+        extra_ldflags=["-fopenmp"],
+    )
+    (build_dir(name) / STAMP_FILE).write_text(_stamp(name))
+    return ext
 
 
 def build_dir(name: str) -> Path:

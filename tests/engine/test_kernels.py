@@ -3,6 +3,10 @@ and the engine with ``attention_backend="cpu_kernel"`` against the SDPA path."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -204,3 +208,17 @@ def test_engine_invariant_path_matches_sdpa(test_llama: Path):
     assert greedy_tokens(test_llama, "auto", deterministic=True) == greedy_tokens(
         test_llama, "sdpa"
     )
+
+
+def test_a_lock_left_by_a_killed_process_does_not_block_loading(tmp_path: Path) -> None:
+    """``load_inline`` holds a lock file in the build directory while it checks a build; a
+    worker killed in that second (chaos plans kill workers) left it behind, and every later
+    process waited on it forever (CI hung twice on ``token_bitmask``). A build stamped with its
+    sources is imported as it is, whatever lock lies beside it."""
+    name = "token_bitmask"
+    assert kernels.load(name) is not None  # built (or found) and stamped
+    shutil.copytree(kernels.build_dir(name), tmp_path / name)
+    (tmp_path / name / "lock").touch()
+    code = f"from engine import kernels; assert kernels.load({name!r}) is not None"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)
