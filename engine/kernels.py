@@ -6,7 +6,8 @@ Builds land in the environment's own directory (``<sys.prefix>/tandem-kernels/<n
 (``~/.cache/torch_extensions``): two environments' builds differ in their include paths, and
 sharing one directory made each rebuild the other's (a 2-minute ``tandem serve`` cold start).
 Where no compiler (or no OpenMP) exists, or ``TANDEM_NATIVE_KERNELS=0``, :func:`load` returns
-None, logs why once, and callers keep the pure-PyTorch path.
+None, logs why once, and callers keep the pure-PyTorch path. Every function runs without the GIL,
+as torch's own ops do (:func:`_bindings`).
 
 * ``paged_decode_attention`` -- decode attention read in place through the block tables, with
   torch's CPU flash-attention numerics in bf16 (the default on CPU, ``attention_backend``).
@@ -120,7 +121,19 @@ def _sources(name: str) -> list[str]:
     return [
         *((_CSRC / header).read_text() for header in KERNEL_HEADERS.get(name, ())),
         (_CSRC / f"{name}.cpp").read_text(),
+        _bindings(name),
     ]
+
+
+def _bindings(name: str) -> str:
+    """The module's Python bindings: every function runs without the GIL, as torch's own ops do,
+    so a worker's other threads (the event loop streaming its tokens) run beside a step's kernels
+    instead of waiting for each to return (load_inline's ``functions=`` bindings keep the GIL)."""
+    defs = "".join(
+        f'  m.def("{fn}", &{fn}, py::call_guard<py::gil_scoped_release>());\n'
+        for fn in KERNELS[name]
+    )
+    return f"PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {{\n{defs}}}\n"
 
 
 def _stamp(name: str) -> str:
@@ -156,7 +169,6 @@ def _build(name: str) -> ModuleType:
         name=f"tandem_{name}",
         build_directory=str(build_dir(name)),
         cpp_sources=_sources(name),
-        functions=list(KERNELS[name]),
         extra_cflags=[*_FLAGS, *KERNEL_FLAGS.get(name, ())],
         extra_ldflags=["-fopenmp"],
     )

@@ -108,6 +108,7 @@ class Pool {
   // that long after taking a chunk, as if it lost its core: the caller's take-back path.
   void resize(int n, int64_t delay_us) {
     std::lock_guard<std::mutex> resizing(resize_mu_);
+    std::lock_guard<std::mutex> no_call(caller_mu_);  // not under a running call
     stop_helpers();
     delay_us_ = delay_us;
     for (int i = 0; i < n; ++i) helpers_.emplace_back([this] { helper_loop(); });
@@ -124,13 +125,15 @@ class Pool {
   // Chunks computed by a helper, and chunks the caller computed again after a helper stalled.
   std::vector<int64_t> stats() const { return {helped_.load(), taken_back_.load()}; }
 
-  // Computes and writes chunks [0, n); returns once all are written. One caller at a time per
-  // process (the engine's step thread).
+  // Computes and writes chunks [0, n); returns once all are written. One caller shares at a
+  // time (the engine's step thread): the kernels run without the GIL, so a second thread's call
+  // (two engines in one process) or a resize may come meanwhile, and computes alone or waits.
   void run(int64_t n, int64_t chunk_floats, Compute compute, const Write& write) {
     thread_local std::vector<float> scratch;
     scratch.resize(chunk_floats);
-    Slot* slot = helpers_.empty() ? nullptr : free_slot();
-    if (slot == nullptr) {  // no helpers, or every slot still held by a stalled one
+    std::unique_lock<std::mutex> sole(caller_mu_, std::try_to_lock);
+    Slot* slot = helpers_.empty() || !sole.owns_lock() ? nullptr : free_slot();
+    if (slot == nullptr) {  // no helpers, another caller, or every slot held by a stalled one
       for (int64_t i = 0; i < n; ++i) {
         compute(i, scratch.data());
         write(i, scratch.data());
@@ -236,7 +239,7 @@ class Pool {
 
   Slot slots_[kSlots];
   std::vector<std::thread> helpers_;
-  std::mutex resize_mu_, mu_;
+  std::mutex resize_mu_, mu_, caller_mu_;
   std::condition_variable cv_;
   std::atomic<uint64_t> published_{0};  // epoch << 8 | slot of the call running now; 0: none
   uint64_t epoch_count_ = 0;

@@ -7,6 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -222,3 +224,37 @@ def test_a_lock_left_by_a_killed_process_does_not_block_loading(tmp_path: Path) 
     code = f"from engine import kernels; assert kernels.load({name!r}) is not None"
     env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
     subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=True)
+
+
+def test_the_kernels_run_without_the_gil() -> None:
+    """A kernel call releases the GIL, as torch's own ops do: the worker's event loop streams
+    tokens while its step thread computes. With the GIL held through the call, the other thread
+    stood still for the whole call."""
+    layout = kernels.invariant_layouts()[-1]  # "columns": every CPU runs it
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one core for the call, as a served engine computes
+    try:
+        packed = kernels.pack_linear(torch.randn(2048, 2048), layout)
+        m, took = 64, 0.0
+        while took < 0.2:  # a call long enough to see the other thread run during it
+            m *= 2
+            x = torch.randn(m, 2048)
+            start = time.monotonic()
+            kernels.invariant_linear(x, packed, 2048, None, layout)
+            took = time.monotonic() - start
+        done = threading.Event()
+
+        def call() -> None:
+            kernels.invariant_linear(x, packed, 2048, None, layout)
+            done.set()
+
+        ticks = [time.monotonic()]
+        worker = threading.Thread(target=call)
+        worker.start()
+        while not done.is_set():
+            ticks.append(time.monotonic())
+        worker.join()
+    finally:
+        torch.set_num_threads(threads)
+    longest = max(b - a for a, b in zip(ticks, ticks[1:], strict=False))
+    assert longest < took / 4, f"this thread stood still {longest:.3f} s of a {took:.3f} s call"

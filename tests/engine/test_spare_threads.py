@@ -6,6 +6,7 @@ waits on it; the engine's tokens do not change with them on."""
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -284,3 +285,31 @@ def test_an_engines_tokens_do_not_change_with_spare_threads(
 def test_the_config_refuses_a_negative_count() -> None:
     with pytest.raises(ValueError, match="spare_threads"):
         EngineConfig(spare_threads=-1)
+
+
+def test_callers_on_two_threads_get_the_same_bits(spare: Callable[..., None]) -> None:
+    """The kernels run without the GIL, so two threads may call them at once (two engines in one
+    process) and one may resize the pool meanwhile: one caller shares with the helpers, the other
+    computes alone or waits, and each gets its own call's bits."""
+    layout = kernels.invariant_layouts()[0]
+    cases = [invariant_case(m, 2048, 768, layout, seed) for seed, m in enumerate((1, 6, 64))]
+    spare(0)
+    alone = [run() for run in cases]
+    spare(2)
+    failures: list[str] = []
+
+    def caller(first: int) -> None:
+        for i in range(60):
+            case = (first + i) % len(cases)
+            if not same_bits(cases[case](), alone[case]):
+                failures.append(f"call {i} of case {case}")
+
+    threads = [threading.Thread(target=caller, args=(first,)) for first in (0, 1)]
+    for t in threads:
+        t.start()
+    for helpers in (1, 2, 0, 2):  # resized while the callers run
+        spare(helpers)
+        time.sleep(0.01)
+    for t in threads:
+        t.join()
+    assert failures == []
