@@ -130,6 +130,8 @@ class Server:
             cmd += ["-t", threads, "-tb", threads, "--parallel", str(LLAMA_SLOTS)]
             cmd += ["-c", str(LLAMA_SLOTS * LLAMA_SLOT_CTX), "--host", "127.0.0.1"]
             cmd += ["--port", str(self.port), "--alias", self.model.name]
+            if gguf.endswith("-q8_0.gguf"):  # its repacked Q8_0 path segfaults on the AMX Xeon
+                cmd += ["--no-repack"]
         else:
             env = dict(os.environ)
             base, *flags = self.name.split("+")
