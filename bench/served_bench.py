@@ -362,7 +362,7 @@ def report(
         )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", type=Path, required=True, help="checkpoint directory")
     p.add_argument("--servers", nargs="+", default=["local", "local-colocated", "vllm"])
@@ -392,7 +392,11 @@ def main() -> None:
         default=0.0,
         help="before its load, sample each server idle for this long: CPU ms/s by process",
     )
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     model = args.model.resolve()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     logs = args.out.parent / f"{args.out.name}-logs"
